@@ -1,0 +1,38 @@
+# Baton: `make serve` and `make test` work on a fresh clone; both create .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# On a machine without an NVIDIA GPU pin the CPU build of torch that lies on local disk;
+# installing it first keeps pip from pulling a CUDA build in for packages that depend on torch.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_PIN := $(if $(HAS_GPU),torch,torch==2.13.0)
+
+.PHONY: install serve test test-fast lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/baton demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check baton tests bench
+	$(VENV)/bin/ruff format --check baton tests bench
+	$(VENV)/bin/mypy
+
+bench: install
+	$(PY) bench/scheduler.py
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,59 @@
+"""Engine arguments under vLLM's names, validated once, and what follows from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.scheduler.request_queue import POLICIES
+from baton.engine.worker.attention import ATTENTION_BACKENDS
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything that shapes one engine. `None` means: derive it from the model and device."""
+
+    model: str | None = None  # a Hugging Face folder; None: the embedded default model
+    tokenizer: str | None = None  # defaults to the model folder
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # defaults to max(8192, max_model_len)
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # default: 4 GiB on CPU, see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    scheduling_policy: str = "fcfs"
+    device: str = "auto"
+    attention_backend: str | None = None  # default: triton on CUDA, torch elsewhere
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )

@@ -1,0 +1,141 @@
+"""EngineCore: owns the scheduler and the model runner; `step()` is one turn of the busy loop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from baton.engine.config import EngineArgs
+from baton.engine.kv_cache.manager import KVCacheConfig, cdiv
+from baton.engine.models.config import ModelConfig, parse_dtype
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler.output import EngineCoreOutput
+from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+_CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        from baton.engine.models.tiny import default_model_path
+
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist (no model hub is used)")
+    return path
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.model_path = resolve_model_path(args.model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        mc = self.model_config
+        device = _resolve_device(args.device)
+        dtype = mc.dtype if args.dtype == "auto" else parse_dtype(args.dtype)
+        if device.type == "cpu" and dtype == torch.float16:
+            dtype = torch.bfloat16  # CPUs have no fast fp16 matmul; vLLM's CPU build does this
+        self.max_model_len = args.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
+            )
+        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
+            logger.warning(
+                "sliding-window attention is not implemented: max_model_len capped to the "
+                "window, %d",
+                mc.sliding_window,
+            )
+            self.max_model_len = mc.sliding_window
+        attention = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
+        self.runner = ModelRunner(
+            mc,
+            RunnerConfig(
+                device=device,
+                dtype=dtype,
+                block_size=args.block_size,
+                max_model_len=self.max_model_len,
+                attention_backend=attention,
+                seed=args.seed,
+            ),
+        )
+        self.num_blocks = self._num_blocks(device)
+        self.runner.allocate_kv_cache(self.num_blocks)
+        max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                policy=args.scheduling_policy,
+            ),
+            KVCacheConfig(
+                num_blocks=self.num_blocks,
+                block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),
+        )
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, attention=%s",
+            mc.architecture,
+            device,
+            dtype,
+            self.num_blocks,
+            args.block_size,
+            attention,
+        )
+
+    def _num_blocks(self, device: torch.device) -> int:
+        args = self.args
+        per_block = self.runner.kv_bytes_per_block()
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+        elif args.kv_cache_memory_bytes is not None:
+            num_blocks = args.kv_cache_memory_bytes // per_block
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = free - total * (1 - args.gpu_memory_utilization)
+            num_blocks = int(budget // per_block)
+        else:
+            num_blocks = _CPU_KV_CACHE_BYTES // per_block
+        # Past this many blocks nothing could use them: every sequence is capped.
+        useful = cdiv(self.max_model_len, args.block_size) * args.max_num_seqs
+        num_blocks = min(num_blocks, useful)
+        needed = cdiv(self.max_model_len, args.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache has {num_blocks} blocks of {args.block_size} tokens, fewer than "
+                f"one request of max_model_len {self.max_model_len} needs ({needed}); lower "
+                f"max_model_len or give the cache more memory"
+            )
+        return num_blocks
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model, update: one turn of the busy loop."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return torch.device(name)

@@ -1,0 +1,1 @@
+"""Paged KV cache: block pool and cache manager."""

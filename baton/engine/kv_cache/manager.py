@@ -1,0 +1,150 @@
+"""KV cache manager: which blocks each request holds, prefix-cache lookups, and allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from baton.engine.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Shape of the paged cache as the scheduler sees it."""
+
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters in tokens, as vLLM's `prefix_cache_queries` / `prefix_cache_hits` count them."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates paged blocks to requests; the scheduler's only view of KV memory."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.block_size = config.block_size
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already registered in the hash map.
+        self._num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        bs = self.block_size
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of the request, in whole blocks; side-effect free on the pool.
+
+        At least the last token is always left to compute: its logits are needed to sample.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix-cache hits from `get_computed_blocks` (first schedule
+        only). Returns the newly allocated blocks, or None, changing nothing, when they do not fit.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        hits = new_computed_blocks or []
+        held = self.req_to_blocks.get(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(hits) * self.block_size
+        num_tokens_after += num_new_tokens
+        num_needed = cdiv(num_tokens_after, self.block_size) - len(held) - len(hits)
+        if num_needed <= 0 and not hits:
+            return []  # the common decode step: the last block still has room
+        # Hits sitting in the free queue stop being free once touched.
+        num_revived = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_needed > self.pool.num_free_blocks - num_revived:
+            return None
+        self.pool.touch(hits)
+        new_blocks = self.pool.get_new_blocks(max(num_needed, 0))
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        blocks.extend(hits)
+        blocks.extend(new_blocks)
+        if hits:
+            self._num_cached_blocks[request.request_id] = len(hits)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Registers the request's full, computed blocks in the prefix cache.
+
+        Called after the step that computed them ran, never at allocation: a block allocated in a
+        step whose request is then preempted was never written and must not be found.
+        """
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks; tail blocks first in the free queue, so that shared
+        prefixes (at the head) are the last to be evicted."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,148 @@
+"""The offline API, as vLLM names it: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from baton.engine.config import EngineArgs
+from baton.engine.core import EngineCore
+from baton.engine.output_processor import OutputProcessor
+from baton.engine.outputs import RequestOutput
+from baton.engine.request import Request
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """Runs an engine in this process and generates for batches of prompts."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **engine_args)
+        self.engine = EngineCore(self.engine_args)
+        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.engine.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in input order.
+
+        Every prompt is checked before any is queued, so one bad prompt fails the call with a
+        `ValueError` naming it and leaves the engine untouched.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params_list)} sampling params"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        inputs = [self._tokenize(p, i) for i, p in enumerate(prompts)]
+        max_len = self.engine.max_model_len
+        for i, (_, ids) in enumerate(inputs):
+            if len(ids) > max_len:
+                raise ValueError(
+                    f"prompt {i} is {len(ids)} tokens, longer than max_model_len {max_len}"
+                )
+        request_ids = []
+        for (text, ids), params, prio in zip(inputs, params_list, priorities, strict=True):
+            request_ids.append(self._add_request(text, ids, params, prio))
+        return self._run(request_ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them, through the chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts: list[PromptType] = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    self.tokenizer, conv, add_generation_prompt, chat_template
+                )
+            }
+            for conv in conversations  # type: ignore[misc]
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer.encode(prompt))
+            text: str | None = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            text = prompt.get("prompt")
+            vocab = self.engine.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
+        else:
+            raise ValueError(
+                f"prompt {index} must be a str or a dict with 'prompt_token_ids', got {prompt!r}"
+            )
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        return text, ids
+
+    def _add_request(
+        self, text: str | None, ids: list[int], params: SamplingParams, priority: int
+    ) -> str:
+        request_id = str(next(self._counter))
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        )
+        self.output_processor.add_request(request_id, text, ids, child_ids, params)
+        eos = self.engine.model_config.eos_token_ids
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                # Distinct but reproducible samples: sample i draws from seed + i.
+                child_params = _replace_seed(params, params.seed + i)
+            self.engine.add_request(
+                Request(
+                    child_id,
+                    ids,
+                    child_params,
+                    eos_token_ids=eos,
+                    priority=priority,
+                    group_id=request_id if params.n > 1 else None,
+                )
+            )
+        return request_id
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        wanted = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests() and len(results) < len(wanted):
+            finished, to_abort = self.output_processor.process_outputs(self.engine.step())
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            for output in finished:
+                results[output.request_id] = output
+        return [results[r] for r in request_ids]
+
+
+def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

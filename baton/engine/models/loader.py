@@ -1,0 +1,121 @@
+"""Builds a model from a Hugging Face folder: config, safetensors weights (sharded or not)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face name -> (Baton's fused parameter, which slice of it: index into the parts)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_NAME = re.compile(r"^(?:model\.)?(.*)$")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"model folder {path} lacks shards: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {path} has no *.safetensors weights")
+    return files
+
+
+def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaForCausalLM:
+    """Instantiates the model on `device` in `dtype` and loads every weight, or says what is off."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    # Buffers (rope tables) were created on meta, then cast: rebuild them, in float32.
+    model.rotary.reset_tables(device)
+    if config.tie_word_embeddings:  # to_empty made separate tensors: tie them again
+        model.lm_head.weight = model.embed_tokens.weight
+    params = dict(model.named_parameters())
+    sizes = {
+        "qkv_proj": [
+            config.num_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+            config.num_kv_heads * config.head_dim,
+        ],
+        "gate_up_proj": [config.intermediate_size, config.intermediate_size],
+    }
+    loaded: set[str] = set()
+    for hf_name, tensor in _iter_weights(config.path):
+        name = _NAME.match(hf_name).group(1)  # type: ignore[union-attr]
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        shard = None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                parts[i] = fused
+                break
+        target = ".".join(parts)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"unexpected weight {hf_name!r} in {config.path}")
+        with torch.no_grad():
+            if shard is None:
+                dst = param
+                loaded.add(target)
+            else:
+                fused_name = parts[i]
+                offsets = sizes[fused_name]
+                start = sum(offsets[:shard])
+                dst = param.narrow(0, start, offsets[shard])
+                loaded.add(f"{target}#{shard}")
+            if dst.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor.to(dtype))
+    expected = set()
+    for name in params:
+        fused = next(
+            (f for f in sizes if name.endswith(f"{f}.weight") or name.endswith(f"{f}.bias")), None
+        )
+        if fused is None:
+            expected.add(name)
+        else:
+            expected.update(f"{name}#{i}" for i in range(len(sizes[fused])))
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"model folder {config.path} lacks weights: {', '.join(missing[:8])}")
+    model.eval()
+    return model

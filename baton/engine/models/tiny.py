@@ -1,0 +1,287 @@
+"""Deterministic, randomly initialised Hugging Face model folders for tests and benchmarks.
+
+`write_tiny_model` writes a complete model folder (config, safetensors weights, byte-level BPE
+tokenizer with a ChatML chat template, generation config) without touching the network; the same
+arguments give byte-identical files on every machine. `default_model_path` caches the benchmark
+model (llama, small) on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "small")
+
+BOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (BOS_TOKEN, "<|im_start|>", EOS_TOKEN)  # ids 0, 1, 2
+BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 2
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_DIMS: dict[str, dict[str, int]] = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    ),
+}
+# qwen3 gets an explicit head_dim != hidden_size / num_attention_heads.
+_QWEN3_HEAD_DIM = {"tiny": 32, "small": 64}
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+# Init scales. The usual std of 0.02 gives near-uniform logits, so greedy decoding meets near-ties
+# and token-for-token comparisons against a reference become flaky. Unit-variance embeddings,
+# fan-in-scaled projections and a lm_head whose logits have std ~_LOGIT_STD make the top-1 token
+# win by a wide margin while the residual updates stay large enough that the output depends on
+# the context rather than echoing the input token.
+_LOGIT_STD = 4.0
+_ATTN_GAIN = 2.0
+_MLP_GAIN = 32.0
+_NORM_NOISE = 0.05
+_BIAS_STD = 0.1
+
+
+def write_tiny_model(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    *,
+    rope_scaling: dict[str, Any] | None = None,
+) -> pathlib.Path:
+    """Write a random model folder for (arch, size, seed) to `path` and return it.
+
+    `rope_scaling`, when given, is written verbatim into config.json.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _model_config(arch, size, rope_scaling)
+    weights = _random_weights(config, arch, _torch_seed(seed, arch, size))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / "config.json", config)
+    (out / "tokenizer.json").write_text(_tokenizer_json(config["vocab_size"]), encoding="utf-8")
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(config))
+    _write_json(
+        out / "generation_config.json",
+        {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": BOS_TOKEN_ID},
+    )
+    return out
+
+
+def default_model_path() -> pathlib.Path:
+    """Return the cached default model (llama, small), writing it on first use.
+
+    Lives in `$BATON_CACHE_DIR/models/llama-small`, else `~/.cache/baton/models/llama-small`.
+    The folder is written beside its final place and renamed in, so readers never see a partial
+    model; if another process renames first, its copy is used.
+    """
+    env = os.environ.get("BATON_CACHE_DIR")
+    root = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "baton"
+    final = root / "models" / "llama-small"
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".llama-small.", dir=final.parent))
+    try:
+        write_tiny_model(tmp, "llama", "small")
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _model_config(arch: str, size: str, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    qwen = arch.startswith("qwen")
+    config: dict[str, Any] = {
+        "architectures": [_ARCH_CLASS[arch]],
+        "model_type": arch,
+        **_DIMS[size],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0 if qwen else 10000.0,
+        "tie_word_embeddings": qwen,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+    if arch == "qwen3":
+        config["head_dim"] = _QWEN3_HEAD_DIM[size]
+    if arch in ("llama", "qwen3"):
+        config["attention_bias"] = False
+    if arch == "llama":
+        config["mlp_bias"] = False
+    if qwen:
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+        config["max_window_layers"] = config["num_hidden_layers"]
+    if arch == "mistral":
+        config["sliding_window"] = None
+    if rope_scaling is not None:
+        config["rope_scaling"] = dict(rope_scaling)
+    return config
+
+
+def _torch_seed(seed: int, arch: str, size: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{arch}/{size}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # fits torch's signed 64-bit seed
+
+
+def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu") * std
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1.0 + normal(dim, std=_NORM_NOISE)
+
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    # Same scale as lm_head, since qwen ties the two.
+    vocab_std = _LOGIT_STD / math.sqrt(hidden)
+    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=vocab_std)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(hidden)
+        for name, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+            w[p + f"self_attn.{name}_proj.weight"] = normal(
+                rows * head_dim, hidden, std=1 / math.sqrt(hidden)
+            )
+            if arch == "qwen2":
+                w[p + f"self_attn.{name}_proj.bias"] = normal(rows * head_dim, std=_BIAS_STD)
+        w[p + "self_attn.o_proj.weight"] = normal(
+            hidden, heads * head_dim, std=_ATTN_GAIN / math.sqrt(heads * head_dim)
+        )
+        if arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
+        w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
+        w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=_MLP_GAIN / math.sqrt(inter))
+    w["model.norm.weight"] = norm(hidden)
+    if not config["tie_word_embeddings"]:
+        w["lm_head.weight"] = normal(vocab, hidden, std=vocab_std)
+    return w
+
+
+_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w")
+_ONSETS += ("st", "tr", "th", "ch", "sh", "pl", "gr", "br")
+_VOWELS = ("a", "e", "i", "o", "u", "ea", "ou", "ai", "io")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck", "tion", "ment", "ly", "er")
+
+
+def _corpus(num_sentences: int = 4000) -> Iterator[str]:
+    """Pseudo-English with Zipf-distributed words: enough distinct merges for 2048 tokens."""
+    rng = random.Random(1234)
+    lexicon = [
+        "".join(
+            rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+            for _ in range(rng.randint(1, 3))
+        )
+        for _ in range(3000)
+    ]
+    cum_weights = list(itertools.accumulate(1.0 / (i + 1) for i in range(len(lexicon))))
+    for _ in range(num_sentences):
+        words = rng.choices(lexicon, cum_weights=cum_weights, k=rng.randint(4, 14))
+        words[0] = words[0].capitalize()
+        tail = f" {rng.randint(0, 9999)}" if rng.random() < 0.2 else ""
+        yield " ".join(words) + rng.choice(".,?!.") + tail
+
+
+def _tokenizer_json(vocab_size: int) -> str:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"BPE training gave {tok.get_vocab_size()} tokens, not {vocab_size}")
+    return tok.to_str(pretty=True)
+
+
+def _tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
+    added = {
+        str(i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": BOS_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _write_json(path: pathlib.Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

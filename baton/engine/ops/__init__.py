@@ -1,0 +1,1 @@
+"""Device kernels (Triton) with their torch references."""

@@ -1,0 +1,143 @@
+"""Turns engine-core outputs into `RequestOutput`s: detokenizes, finds stop strings, merges the
+n samples of one prompt. Runs beside the client, never in the busy loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler.output import EngineCoreOutput
+
+
+@dataclass
+class _Sample:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, _Sample] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, _Parent] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        child_ids: list[str],
+        params: SamplingParams,
+    ) -> None:
+        parent = _Parent(request_id, prompt, prompt_token_ids)
+        for index, child_id in enumerate(child_ids):
+            detok = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens
+            )
+            want_logprobs = params.logprobs is not None
+            parent.samples[child_id] = _Sample(
+                index, params, detok, [] if want_logprobs else None, 0.0 if want_logprobs else None
+            )
+            self._child_to_parent[child_id] = parent
+        self._parents[request_id] = parent
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the finished request outputs and the child ids to abort in the engine core
+        (those that hit a stop string)."""
+        to_abort: list[str] = []
+        touched: dict[str, _Parent] = {}
+        for out in outputs:
+            parent = self._child_to_parent.get(out.request_id)
+            if parent is None:
+                continue
+            sample = parent.samples[out.request_id]
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.new_logprobs and sample.logprobs is not None:
+                for entry in out.new_logprobs:
+                    sample.logprobs.append(self._logprob_dict(entry))
+                    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + (
+                        entry.logprobs[0]
+                    )
+            stop = sample.detok.update(out.new_token_ids)
+            if stop is not None and out.finish_reason is None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+                to_abort.append(out.request_id)
+            elif stop is not None:
+                sample.finish_reason, sample.stop_reason = "stop", stop
+            elif out.finish_reason is not None:
+                sample.detok.flush()
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            touched[parent.request_id] = parent
+        finished = []
+        for parent in touched.values():
+            if parent.finished():
+                finished.append(self._make_output(parent))
+                del self._parents[parent.request_id]
+                for child_id in parent.samples:
+                    del self._child_to_parent[child_id]
+        return finished, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forgets a request; returns its child ids so the caller aborts them in the engine."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for child_id in parent.samples:
+            self._child_to_parent.pop(child_id, None)
+        return list(parent.samples)
+
+    def _logprob_dict(self, entry: Any) -> dict[int, Logprob]:
+        result: dict[int, Logprob] = {}
+        for i, (token, lp) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
+            if token in result:
+                continue
+            rank = entry.sampled_rank if i == 0 else i
+            result[token] = Logprob(lp, rank, self.tokenizer.decode([token]))
+        return result
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.detok.text,
+                token_ids=list(s.detok.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(parent.samples.values(), key=lambda s: s.index)
+        ]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=True,
+            num_cached_tokens=parent.num_cached_tokens,
+        )

@@ -1,0 +1,93 @@
+"""A request inside the engine: its tokens, its status and how far its KV cache has caught up."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from baton.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # reserved for the KV connector
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this line is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `num_tokens`; there are no phases."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        priority: int = 0,
+        group_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        # Samples of one prompt (n > 1) share a group so the scheduler can let the first one fill
+        # the prefix cache before the others look it up.
+        self.group_id = group_id
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.output_token_ids: list[int] = []
+        # prompt + output; the model runner reads tokens [num_computed_tokens, num_tokens).
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.num_preemptions = 0
+        # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.
+        self.block_hashes: list[bytes] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

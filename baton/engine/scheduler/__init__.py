@@ -1,0 +1,1 @@
+"""Continuous-batching scheduler and its contract with the worker."""

@@ -1,0 +1,82 @@
+"""The contract between scheduler and worker: plain dataclasses of ints and lists, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from baton.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen: sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # the prompt only; the worker appends what it samples
+    sampling_params: SamplingParams
+    block_ids: list[int]  # every block the request holds, in order
+    num_computed_tokens: int  # tokens already in the cache (prefix-cache hits)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already tracks: only what changed since the last step."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the worker's block table (replacing it if resumed)
+    num_computed_tokens: int  # tokens in the cache before this step
+    # Back from preemption: its old blocks are gone, `new_block_ids` is the whole table and
+    # `all_token_ids` carries prompt + output so far (the worker may have dropped its copy).
+    resumed: bool = False
+    all_token_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run in one step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step; dict order is the batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished (or preempted) since the last step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], [], {}, 0)
+
+
+@dataclass
+class LogprobsEntry:
+    """Logprobs of one sampled position: the sampled token first, then the top ones."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1 = the most likely token
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced. Requests mid-prompt (a partial chunk) sample nothing."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine core reports to its client for one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,355 @@
+"""Continuous-batching scheduler (vLLM V1 design): one token budget per step, no phases."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from baton.engine.kv_cache.block_pool import KVCacheBlock
+from baton.engine.kv_cache.manager import KVCacheConfig, KVCacheManager
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from baton.engine.scheduler.request_queue import POLICIES, make_queue
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0  # cumulative
+    prefix_cache_queries: int = 0  # cumulative, tokens
+    prefix_cache_hits: int = 0  # cumulative, tokens
+    step_tokens: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, within the KV memory there is."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(kv_cache_config)
+        self.block_size = kv_cache_config.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self._preempted_req_ids: set[str] = set()
+        # group_id -> the sample of an n > 1 prompt currently filling the prefix cache; its
+        # siblings wait a step so that they find the prompt blocks cached instead of recomputing.
+        self._group_leaders: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens, more than max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step (aborts, stop strings found by the detokenizer)."""
+        if not status.finished:
+            raise ValueError(f"{status.name} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        if self._group_leaders.get(request.group_id or "") is request:
+            del self._group_leaders[request.group_id or ""]
+        self._finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Hands out the step's token budget.
+
+        There is no prefill phase and no decode phase: every request has `num_computed_tokens`
+        catching up with `num_tokens`. Running requests are served first (a decode needs one
+        token, a prompt chunk as many as the budget allows), then waiting ones, chunking long
+        prompts. When blocks run out, the lowest-priority running request is preempted (its KV
+        is dropped and recomputed later) and allocation is retried in the same step.
+        """
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        new_block_ids: dict[str, list[int]] = {}
+        preempted_now: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:  # at max_model_len; update_from_output finishes it
+                i += 1
+                continue
+            while True:
+                blocks = self.kv.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled:  # already given tokens this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted_now.append(victim)
+                if victim is request:
+                    break
+            if blocks is None:
+                continue  # the request preempted itself; `i` already points at the next one
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            i += 1
+
+        for request in self.running:
+            if request.request_id in num_scheduled:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request.request_id,
+                        new_block_ids=new_block_ids[request.request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+
+        # New work is admitted only when nothing had to be preempted: a preemption means the
+        # cache is full and admitting would just preempt again next step.
+        if not preempted_now:
+            self._schedule_waiting(budget, num_scheduled, new_reqs, cached_reqs)
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids=self._preempted_req_ids,
+        )
+        self._finished_req_ids = set()
+        self._preempted_req_ids = set()
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int, num_hit: int = 0) -> int:
+        """Tokens to compute this step, after `num_hit` prefix-cache tokens not yet counted."""
+        num_computed = request.num_computed_tokens + num_hit
+        num_new = request.num_tokens - num_computed
+        room = self.config.max_model_len - num_computed
+        return max(0, min(num_new, budget, room))
+
+    def _schedule_waiting(
+        self,
+        budget: int,
+        num_scheduled: dict[str, int],
+        new_reqs: list[NewRequestData],
+        cached_reqs: list[CachedRequestData],
+    ) -> None:
+        deferred: list[Request] = []
+        while len(self.waiting) > 0 and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting.peek()
+            leader = self._group_leaders.get(request.group_id or "")
+            if leader is not None and leader is not request:
+                deferred.append(self.waiting.pop())
+                continue
+            hits: list[KVCacheBlock] = []
+            num_hit = 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, budget, num_hit)
+            # allocate_slots counts the hits on top of num_computed_tokens, so that only advances
+            # once allocation succeeded (advancing it first counted every hit twice and
+            # over-allocated one block per hit block).
+            blocks = self.kv.allocate_slots(request, num_new, hits) if num_new > 0 else None
+            if blocks is None:
+                break
+            request.num_computed_tokens = num_hit
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            # Only a request with full prompt blocks left to fill leads its group: a sibling that
+            # already hit them all has nothing for the others to wait for (making it the leader
+            # admitted the siblings one per step).
+            max_hit = (request.num_tokens - 1) // self.block_size * self.block_size
+            if request.group_id is not None and self.kv.enable_caching and num_hit < max_hit:
+                self._group_leaders.setdefault(request.group_id, request)
+            block_ids = self.kv.block_ids(request.request_id)
+            if request.status == RequestStatus.PREEMPTED:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request.request_id,
+                        new_block_ids=block_ids,
+                        num_computed_tokens=num_hit,
+                        resumed=True,
+                        all_token_ids=list(request.all_token_ids),
+                    )
+                )
+            else:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        num_computed_tokens=num_hit,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        for request in reversed(deferred):
+            self.waiting.prepend(request)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=_rank)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        if self._group_leaders.get(request.group_id or "") is request:
+            del self._group_leaders[request.group_id or ""]
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted_req_ids.add(request.request_id)
+        self.waiting.prepend(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, applies stop conditions, frees what finished."""
+        outputs: list[EngineCoreOutput] = []
+        sampled = runner_output.sampled_token_ids
+        stopped: list[Request] = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            self.kv.cache_blocks(request)
+            leader_group = request.group_id or ""
+            if (
+                self._group_leaders.get(leader_group) is request
+                and request.num_computed_tokens >= request.num_prompt_tokens
+            ):
+                del self._group_leaders[leader_group]
+            token = sampled.get(req_id)
+            if token is None or request.num_computed_tokens < request.num_tokens:
+                continue  # a partial prompt chunk: nothing sampled yet
+            request.append_output_token(token)
+            self._check_stop(request, token)
+            logprobs = runner_output.logprobs.get(req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=[token],
+                    new_logprobs=[logprobs] if logprobs is not None else None,
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.is_finished():
+                stopped.append(request)
+        if stopped:
+            done = set(map(id, stopped))
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in stopped:
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        # Length first, as vLLM does: the last allowed token ends the request with "length"
+        # even when it is also an EOS.
+        params = request.sampling_params
+        max_tokens = params.max_tokens
+        if request.num_tokens >= self.config.max_model_len or (
+            max_tokens is not None and request.num_output_tokens >= max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return
+        if request.num_output_tokens < params.min_tokens:
+            return
+        if not params.ignore_eos and token in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+
+    # ---- observability -------------------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Larger is less urgent: the priority policy preempts the largest."""
+    return (request.priority, request.arrival_time)

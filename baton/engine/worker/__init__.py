@@ -1,0 +1,1 @@
+"""Model runner, attention and sampling: the worker side of the engine."""

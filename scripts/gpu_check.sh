@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# One command for a fresh GPU machine (H100/H200), run from the repository root:
+#   scripts/gpu_check.sh            # results in ${OUT:-out}/gpu_check.txt (+ kernels.json)
+# Sets up .venv (falls back to a python that already has torch+triton when pip cannot reach an
+# index), runs the CUDA kernel tests and the kernel benchmark, then bench/throughput.py if present.
+# Every step has a timeout and the whole run stays under ~8 minutes; a failed step is recorded and
+# the next one still runs; the exit status is non-zero if any step failed.
+set -euo pipefail
+
+OUT_DIR="${OUT:-out}"
+mkdir -p "$OUT_DIR"
+RESULTS="$OUT_DIR/gpu_check.txt"
+: >"$RESULTS"
+BUDGET_S=470 # leaves slack under 8 minutes
+FAILED=()
+PY=.venv/bin/python
+
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$RESULTS"; }
+
+# Seconds a step may take: its own limit, cut to what is left of the budget.
+limit() {
+    local left=$((BUDGET_S - SECONDS))
+    if ((left < 10)); then left=10; fi
+    echo $(($1 < left ? $1 : left))
+}
+
+# step NAME LIMIT_S CMD...: run CMD with a timeout, output appended to the results file.
+step() {
+    local name=$1 secs
+    secs=$(limit "$2")
+    shift 2
+    log "== $name (timeout ${secs}s): $*"
+    local rc=0
+    timeout "$secs" "$@" >>"$RESULTS" 2>&1 || rc=$?
+    if ((rc == 0)); then
+        log "== $name: ok"
+    else
+        local why=""
+        if ((rc == 124)); then why=" (timed out)"; fi
+        log "== $name: FAILED rc=$rc$why"
+        FAILED+=("$name")
+    fi
+    return 0
+}
+
+has_torch_triton() { "$1" -c 'import torch, triton' >/dev/null 2>&1; }
+
+setup_python() {
+    local created=0
+    if [[ ! -x $PY ]]; then
+        # Reuse a system torch (a CUDA build on GPU images) rather than downloading another.
+        if has_torch_triton python3; then
+            python3 -m venv --system-site-packages .venv
+        else
+            python3 -m venv .venv
+        fi
+        created=1
+    fi
+    local pip=("$PY" -m pip install -q --retries 2 --timeout 20)
+    if timeout "$(limit 300)" "${pip[@]}" torch >>"$RESULTS" 2>&1 &&
+        timeout "$(limit 150)" "${pip[@]}" -e '.[dev]' >>"$RESULTS" 2>&1; then
+        log "installed torch and baton[dev] into .venv"
+        return
+    fi
+    log "pip install failed (no network?); falling back to a python with torch+triton"
+    if ! has_torch_triton "$PY"; then
+        if ! has_torch_triton python3; then
+            log "no python with torch and triton found; cannot continue"
+            return 1
+        fi
+        if ((created)); then # ours: rebuild it on top of the system packages
+            rm -rf .venv
+            python3 -m venv --system-site-packages .venv
+        else
+            PY=python3
+        fi
+    fi
+    if ! timeout 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >>"$RESULTS" 2>&1; then
+        log "pip install --no-deps -e . failed too; using PYTHONPATH=$PWD"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    if ! "$PY" -c 'import pytest' >/dev/null 2>&1; then
+        log "warning: $PY has no pytest; the test steps will fail"
+    fi
+}
+
+log "gpu_check in $PWD, results in $RESULTS"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+    git rev-parse --short HEAD 2>/dev/null || echo "(no commit)"
+    git status --short | head -20 || true
+} >>"$RESULTS" 2>&1
+
+if ! setup_python; then
+    log "setup failed"
+    exit 1
+fi
+"$PY" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__,
+    "triton", triton.__version__, "cuda", torch.cuda.is_available())' >>"$RESULTS" 2>&1 || true
+
+unset TRITON_INTERPRET # compile for the GPU; the tests' cpu params then skip
+# Without this, a CPU-only torch would make every CUDA test skip and the run look green.
+step "torch sees a CUDA device" 60 "$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA"'
+step "ops tests on cuda (-m gpu)" 150 "$PY" -m pytest -m gpu tests/engine/ops -q -ra -p no:cacheprovider
+step "ops tests, device-independent" 60 "$PY" -m pytest -m "not gpu" tests/engine/ops -q -ra \
+    -p no:cacheprovider
+step "kernel benchmark" 240 "$PY" bench/kernels.py --json "$OUT_DIR/kernels.json"
+if [ -f bench/throughput.py ]; then
+    step "throughput benchmark" 240 "$PY" bench/throughput.py --device cuda
+fi
+
+if ((${#FAILED[@]})); then
+    log "done in ${SECONDS}s; FAILED: ${FAILED[*]}"
+    exit 1
+fi
+log "done in ${SECONDS}s; all steps passed"

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny model folders written once per test session (no network, no hub)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from baton.engine.models.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Returns a factory: tiny_model(arch, **kwargs) -> folder, cached per arguments."""
+    made: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", size: str = "tiny", **kwargs: object) -> Path:
+        key = (arch, size, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])).__repr__())
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"{arch}-{size}")
+            made[key] = write_tiny_model(folder, arch, size, **kwargs)  # type: ignore[arg-type]
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keeps the default-model and kernel caches of the tests out of the user's home."""
+    import os
+
+    os.environ.setdefault("BATON_CACHE_DIR", str(tmp_path_factory.mktemp("baton-cache")))
