@@ -29,6 +29,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     attention_backend: str | None = None  # default: triton on CUDA, torch elsewhere
+    async_scheduling: bool = False  # schedule step N+1 while step N runs on the device
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -11,9 +12,9 @@ from baton.engine.config import EngineArgs
 from baton.engine.kv_cache.manager import KVCacheConfig, cdiv
 from baton.engine.models.config import ModelConfig, parse_dtype
 from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler.output import EngineCoreOutput
+from baton.engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
+from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class EngineCore:
                 seed=args.seed,
             ),
         )
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_blocks = self._num_blocks(device)
         self.runner.allocate_kv_cache(self.num_blocks)
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
@@ -124,13 +126,27 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model, update: one turn of the busy loop."""
+        """Schedule, run the model, update: one turn of the busy loop.
+
+        With async scheduling one step stays in flight: step N+1 is scheduled and queued on the
+        device before step N's tokens are read back, so the device never waits for Python.
+        """
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not self.args.async_scheduling:
+            runner_output = self.runner.execute_model(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        pending = self.runner.execute_model_async(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens:
+            self._in_flight.append((scheduler_output, pending))
+            if len(self._in_flight) < 2:
+                return []  # keep it in flight while the next step is scheduled
+        if not self._in_flight:
+            return []
+        oldest, oldest_pending = self._in_flight.popleft()
+        return self.scheduler.update_from_output(oldest, oldest_pending.result())
 
 
 def _resolve_device(name: str) -> torch.device:

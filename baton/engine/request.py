@@ -62,6 +62,9 @@ class Request:
         # prompt + output; the model runner reads tokens [num_computed_tokens, num_tokens).
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose values are not back yet: at most one in the
+        # synchronous loop, two with async scheduling (step N+1 is scheduled before N returns).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.num_preemptions = 0
         # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.

@@ -129,7 +129,9 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # With async scheduling num_computed_tokens can run ahead of the known tokens.
+        num_computed = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_computed // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -69,10 +69,13 @@ _ARCH_CLASS = {
 }
 
 # Init scales. The usual std of 0.02 gives near-uniform logits, so greedy decoding meets near-ties
-# and token-for-token comparisons against a reference become flaky. Unit-variance embeddings,
-# fan-in-scaled projections and a lm_head whose logits have std ~_LOGIT_STD make the top-1 token
-# win by a wide margin while the residual updates stay large enough that the output depends on
-# the context rather than echoing the input token.
+# and token-for-token comparisons against a reference become flaky. Here embed_tokens and lm_head
+# rows have norm ~_LOGIT_STD, so logits have std ~_LOGIT_STD and the top-1 token usually wins by a
+# wide margin (median top-1/top-2 gap ~0.8). With tied embeddings the raw input embedding left in
+# the residual stream votes for its own token (its self-logit is ~_LOGIT_STD standard deviations
+# high), and greedy decoding repeats one token forever; a large MLP output gain makes the residual
+# stream mostly token-specific MLP features, which breaks the echo for tied and untied models
+# alike. All projections are fan-in scaled, so activations stay O(1) before the gains.
 _LOGIT_STD = 4.0
 _ATTN_GAIN = 2.0
 _MLP_GAIN = 32.0
@@ -188,7 +191,7 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", hidden // heads)
-    # Same scale as lm_head, since qwen ties the two.
+    # Same scale as lm_head, which qwen ties to it.
     vocab_std = _LOGIT_STD / math.sqrt(hidden)
     w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=vocab_std)}
     for i in range(config["num_hidden_layers"]):
@@ -216,8 +219,8 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
     return w
 
 
-_ONSETS = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w")
-_ONSETS += ("st", "tr", "th", "ch", "sh", "pl", "gr", "br")
+_ONSETS: tuple[str, ...] = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s")
+_ONSETS += ("t", "v", "w", "st", "tr", "th", "ch", "sh", "pl", "gr", "br")
 _VOWELS = ("a", "e", "i", "o", "u", "ea", "ou", "ai", "io")
 _CODAS = ("", "", "n", "r", "s", "t", "l", "nd", "ng", "st", "ck", "tion", "ment", "ly", "er")
 

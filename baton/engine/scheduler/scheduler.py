@@ -170,7 +170,10 @@ class Scheduler:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached_reqs)
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -187,7 +190,11 @@ class Scheduler:
     def _num_new_tokens(self, request: Request, budget: int, num_hit: int = 0) -> int:
         """Tokens to compute this step, after `num_hit` prefix-cache tokens not yet counted."""
         num_computed = request.num_computed_tokens + num_hit
-        num_new = request.num_tokens - num_computed
+        pending = request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if pending and max_tokens is not None and request.num_output_tokens + pending >= max_tokens:
+            return 0  # its last token is already in flight (async scheduling)
+        num_new = request.num_tokens + pending - num_computed
         room = self.config.max_model_len - num_computed
         return max(0, min(num_new, budget, room))
 
@@ -282,18 +289,22 @@ class Scheduler:
         stopped: list[Request] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if request is None or request.is_finished():
                 continue  # aborted while the step ran
-            self.kv.cache_blocks(request)
-            leader_group = request.group_id or ""
-            if (
-                self._group_leaders.get(leader_group) is request
-                and request.num_computed_tokens >= request.num_prompt_tokens
-            ):
-                del self._group_leaders[leader_group]
+            if request.status == RequestStatus.RUNNING:
+                self.kv.cache_blocks(request)
+                leader_group = request.group_id or ""
+                if (
+                    self._group_leaders.get(leader_group) is request
+                    and request.num_computed_tokens >= request.num_prompt_tokens
+                ):
+                    del self._group_leaders[leader_group]
+            # A request preempted after this step was scheduled (async scheduling) still gets
+            # its token: the step ran, and its recompute starts from all the tokens.
             token = sampled.get(req_id)
-            if token is None or request.num_computed_tokens < request.num_tokens:
+            if token is None:
                 continue  # a partial prompt chunk: nothing sampled yet
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output_token(token)
             self._check_stop(request, token)
             logprobs = runner_output.logprobs.get(req_id)
@@ -311,7 +322,12 @@ class Scheduler:
                 stopped.append(request)
         if stopped:
             done = set(map(id, stopped))
+            before = len(self.running)
             self.running = [r for r in self.running if id(r) not in done]
+            if len(self.running) + len(stopped) != before:  # some were preempted meanwhile
+                for request in stopped:
+                    if request in self.waiting:
+                        self.waiting.remove(request)
             for request in stopped:
                 self._free_request(request)
         return outputs

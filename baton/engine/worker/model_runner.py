@@ -13,7 +13,7 @@ from baton.engine.models.loader import load_model
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler.output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.attention import AttentionMetadata, make_attention_backend
-from baton.engine.worker.sampler import Sampler, SamplingMetadata
+from baton.engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +39,54 @@ class CachedRequestState:
     block_ids: list[int]
     generator: torch.Generator | None
     num_computed_tokens: int = 0  # in the cache before this step: this step runs from here
+    num_pending: int = 0  # sampled on the device, not yet appended to token_ids
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
+class PendingOutput:
+    """A step's sampled tokens, still on the device until `result()` reads them (once)."""
+
+    def __init__(self, states: list[CachedRequestState], result: SamplerOutput | None) -> None:
+        self.states = states
+        self.sampler_output = result
+        self.sampled = result.sampled_token_ids if result is not None else None
+        self.row_of = {s.req_id: i for i, s in enumerate(states)}
+        self._output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def empty(cls) -> PendingOutput:
+        return cls([], None)
+
+    def result(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        output = ModelRunnerOutput(sampled_token_ids={})
+        result = self.sampler_output
+        if result is not None:
+            token_ids = result.sampled_token_ids.tolist()  # waits for the device
+            for state, token in zip(self.states, token_ids, strict=True):
+                state.token_ids.append(token)
+                state.num_pending -= 1
+                output.sampled_token_ids[state.req_id] = token
+            if result.logprob_token_ids is not None and result.logprobs is not None:
+                ids = result.logprob_token_ids.tolist()
+                lps = result.logprobs.tolist()
+                ranks = result.sampled_token_ranks.tolist()  # type: ignore[union-attr]
+                for i, state in enumerate(self.states):
+                    k = state.sampling_params.logprobs
+                    if k is not None:
+                        output.logprobs[state.req_id] = LogprobsEntry(
+                            ids[i][: k + 1], lps[i][: k + 1], ranks[i]
+                        )
+        self._output = output
+        return output
 
 
 class ModelRunner:
@@ -59,6 +103,7 @@ class ModelRunner:
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self._pending: PendingOutput | None = None  # the last step whose tokens may be unread
         self.kv_cache: torch.Tensor | None = None
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -103,32 +148,52 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids)
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and waits for its sampled tokens."""
+        return self.execute_model_async(out).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, out: SchedulerOutput) -> PendingOutput:
+        """Queues one step on the device and returns without waiting for it.
+
+        With async scheduling the next step is built while this one runs: a decode whose input
+        token is still on the device reads it from the previous step's sampled tensor there.
+        """
         self._update_states(out)
         if out.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return PendingOutput.empty()
         assert self.kv_cache is not None, "allocate_kv_cache first"
+        scheduled = [self.requests[r] for r in out.num_scheduled_tokens]
+        if self._pending is not None and any(
+            s.num_pending and _uses_penalties(s.sampling_params) for s in scheduled
+        ):
+            self._pending.result()  # penalties need every past token on the host
         bs = self.block_size
-        num_reqs = len(out.num_scheduled_tokens)
+        num_reqs = len(scheduled)
         total = out.total_num_scheduled_tokens
         input_ids = np.empty(total, dtype=np.int64)
         positions = np.empty(total, dtype=np.int64)
         slot_mapping = np.empty(total, dtype=np.int64)
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         seq_lens = np.empty(num_reqs, dtype=np.int32)
-        max_blocks = max(len(self.requests[r].block_ids) for r in out.num_scheduled_tokens)
+        max_blocks = max(len(s.block_ids) for s in scheduled)
         block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
         sample_rows: list[int] = []  # batch rows whose chunk reaches the end: they sample
-        states: list[CachedRequestState] = []
+        from_device: list[tuple[int, int]] = []  # (input index, row of the previous step)
         pos = 0
-        for row, (req_id, n) in enumerate(out.num_scheduled_tokens.items()):
-            state = self.requests[req_id]
-            states.append(state)
-            seq_len = len(state.token_ids)
+        for row, (state, n) in enumerate(
+            zip(scheduled, out.num_scheduled_tokens.values(), strict=True)
+        ):
+            known = len(state.token_ids)
             start = state.num_computed_tokens
             end = start + n
-            input_ids[pos : pos + n] = state.token_ids[start:end]
+            if end > known:  # the last input token is still being sampled
+                if state.num_pending != 1 or end != known + 1 or self._pending is None:
+                    raise RuntimeError(f"request {state.req_id} is ahead of its tokens")
+                from_device.append((pos + n - 1, self._pending.row_of[state.req_id]))
+                input_ids[pos : pos + n - 1] = state.token_ids[start:known]
+            else:
+                input_ids[pos : pos + n] = state.token_ids[start:end]
             p = np.arange(start, end)
             positions[pos : pos + n] = p
             table = np.asarray(state.block_ids, dtype=np.int64)
@@ -137,10 +202,17 @@ class ModelRunner:
             pos += n
             query_start_loc[row + 1] = pos
             seq_lens[row] = end
-            if end >= seq_len:
+            if end >= known + state.num_pending:
                 sample_rows.append(row)
 
         dev = self.device
+        input_ids_t = torch.from_numpy(input_ids).to(dev)
+        if from_device:
+            assert self._pending is not None
+            idx, prev_rows = zip(*from_device, strict=True)
+            input_ids_t[torch.tensor(idx, device=dev)] = self._pending.sampled[
+                torch.tensor(prev_rows, device=dev)
+            ]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
             query_start_loc=torch.from_numpy(query_start_loc).to(dev),
@@ -153,34 +225,18 @@ class ModelRunner:
             block_tables_np=block_tables,
         )
         hidden = self.model(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_cache,
-            self.attn,
-            meta,
+            input_ids_t, torch.from_numpy(positions).to(dev), self.kv_cache, self.attn, meta
         )
         if not sample_rows:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return PendingOutput.empty()
         last_token_idx = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev).long()
         logits = self.model.compute_logits(hidden[last_token_idx])
-        sampled = [states[r] for r in sample_rows]
+        sampled = [scheduled[r] for r in sample_rows]
         result = self.sampler(logits, self._sampling_metadata(sampled))
-        token_ids = result.sampled_token_ids.tolist()
-        output = ModelRunnerOutput(sampled_token_ids={})
-        for state, token in zip(sampled, token_ids, strict=True):
-            state.token_ids.append(token)
-            output.sampled_token_ids[state.req_id] = token
-        if result.logprob_token_ids is not None and result.logprobs is not None:
-            ids = result.logprob_token_ids.tolist()
-            lps = result.logprobs.tolist()
-            ranks = result.sampled_token_ranks.tolist()  # type: ignore[union-attr]
-            for i, state in enumerate(sampled):
-                k = state.sampling_params.logprobs
-                if k is not None:
-                    output.logprobs[state.req_id] = LogprobsEntry(
-                        ids[i][: k + 1], lps[i][: k + 1], ranks[i]
-                    )
-        return output
+        for state in sampled:
+            state.num_pending += 1
+        self._pending = PendingOutput(sampled, result)
+        return self._pending
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
@@ -188,13 +244,12 @@ class ModelRunner:
         greedy = all(p.greedy for p in params)
         needs_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         max_logprobs = max(needs_logprobs) if needs_logprobs else None
-        penalties = any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        )
+        penalties = any(_uses_penalties(p) for p in params)
         min_block: dict[int, list[int]] = {}
         eos = self.model_config.eos_token_ids
         for row, (s, p) in enumerate(zip(states, params, strict=True)):
-            if p.min_tokens and len(s.token_ids) - s.num_prompt_tokens < p.min_tokens:
+            num_output = len(s.token_ids) + s.num_pending - s.num_prompt_tokens
+            if p.min_tokens and num_output < p.min_tokens:
                 min_block[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
 
         def column(values: list[float], skip: float, dtype: torch.dtype) -> torch.Tensor | None:

@@ -58,17 +58,16 @@ def _make_batch(
     dtype: torch.dtype = torch.float32,
     padding_tokens: int = 0,
 ) -> Batch:
-    """Random query and cache for requests given as (q_len, seq_len), blocks in shuffled order."""
+    """Random query and cache for (q_len, seq_len) requests; blocks shuffled, garbage past them."""
     blocks_per_request = [math.ceil(seq_len / block_size) for _, seq_len in requests]
     num_blocks = sum(blocks_per_request) + 2
     kv_cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, device=device)
     block_ids = torch.randperm(num_blocks, device=device).int()
+    # A column slice of a wider table: its row stride is not its row length.
+    width = max(blocks_per_request) + 1
     block_tables = torch.full(
-        (len(requests), max(blocks_per_request) + 1),
-        _UNUSED_BLOCK,
-        dtype=torch.int32,
-        device=device,
-    )
+        (len(requests), width + 2), _UNUSED_BLOCK, dtype=torch.int32, device=device
+    )[:, :width]
     used = 0
     for b, n in enumerate(blocks_per_request):
         block_tables[b, :n] = block_ids[used : used + n]
@@ -232,42 +231,46 @@ def test_empty_batch(device: torch.device) -> None:
     assert out.shape == (0, 2, 16)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "num_queries_per_kv", "max_query_len", "num_splits"),
-    [("fp16", 8, 1, 16), ("bf16", 4, 512, 1), ("fp32", 1, 1, 1)],
-)
-def test_compiles_for_hopper(
-    compile_for_hopper: Callable[..., Any],
-    dtype: str,
-    num_queries_per_kv: int,
-    max_query_len: int,
-    num_splits: int,
-) -> None:
-    """The launcher's decode/prefill/split variants compile for sm_90, not just interpret."""
-    config = _launch_config(num_queries_per_kv, 128, max_query_len)
+def test_compiles_for_hopper(compile_for_hopper: Callable[[list[dict[str, Any]]], None]) -> None:
+    """The launcher's decode, prefill and split variants compile for sm_90, not just interpret."""
     stats = {"partial_out_ptr": "fp32", "partial_max_ptr": "fp32", "partial_sum_ptr": "fp32"}
-    ints = {"query_start_loc_ptr": "i32", "seq_lens_ptr": "i32", "block_tables_ptr": "i32"}
-    compile_for_hopper(
-        _paged_attention_kernel,
-        {"query_ptr": dtype, "kv_cache_ptr": dtype, "out_ptr": dtype} | stats | ints,
-        {
-            "NUM_QUERIES_PER_KV": num_queries_per_kv,
-            "BLOCK_SIZE": 16,
-            "BLOCK_M": config.block_m,
-            "BLOCK_Q": config.block_m // num_queries_per_kv,
-            "TILE_N": config.tile_n,
-            "HEAD_DIM_PADDED": config.head_dim_padded,
-            "NUM_SPLITS": num_splits,
-            "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
-        },
-        config.num_warps,
-    )
-    if num_splits > 1:
-        compile_for_hopper(
-            _paged_attention_reduce_kernel,
-            {"out_ptr": dtype, "query_start_loc_ptr": "i32"} | stats,
-            {"NUM_SPLITS": num_splits, "SPLITS_PADDED": num_splits, "HEAD_DIM_PADDED": 128},
+    jobs = []
+    for dtype, num_queries_per_kv, max_query_len, num_splits in [
+        ("fp16", 8, 1, 16),
+        ("bf16", 4, 512, 1),
+        ("fp32", 1, 1, 1),
+    ]:
+        config = _launch_config(num_queries_per_kv, 128, max_query_len)
+        jobs.append(
+            {
+                "module": _paged_attention_kernel.__module__,
+                "kernel": _paged_attention_kernel.__name__,
+                "pointers": {"query_ptr": dtype, "kv_cache_ptr": dtype, "out_ptr": dtype}
+                | stats
+                | {"query_start_loc_ptr": "i32", "seq_lens_ptr": "i32", "block_tables_ptr": "i32"},
+                "constexprs": {
+                    "NUM_QUERIES_PER_KV": num_queries_per_kv,
+                    "BLOCK_SIZE": 16,
+                    "BLOCK_M": config.block_m,
+                    "BLOCK_Q": config.block_m // num_queries_per_kv,
+                    "TILE_N": config.tile_n,
+                    "HEAD_DIM_PADDED": config.head_dim_padded,
+                    "NUM_SPLITS": num_splits,
+                    "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                },
+                "num_warps": config.num_warps,
+            }
         )
+    jobs.append(
+        {
+            "module": _paged_attention_reduce_kernel.__module__,
+            "kernel": _paged_attention_reduce_kernel.__name__,
+            "pointers": {"out_ptr": "bf16", "query_start_loc_ptr": "i32"} | stats,
+            "constexprs": {"NUM_SPLITS": 16, "SPLITS_PADDED": 16, "HEAD_DIM_PADDED": 128},
+            "num_warps": 4,
+        }
+    )
+    compile_for_hopper(jobs)
 
 
 def test_choose_num_splits() -> None:

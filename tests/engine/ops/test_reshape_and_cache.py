@@ -116,10 +116,17 @@ def test_rejects_bad_inputs(change: dict[str, object], match: str) -> None:
 
 def test_compiles_for_hopper(compile_for_hopper: Callable[..., Any]) -> None:
     """The kernel compiles for sm_90 (not just interprets) with bf16 K/V and int64 slots."""
+    pointers = {"key_ptr": "bf16", "value_ptr": "bf16", "kv_cache_ptr": "bf16"}
     compile_for_hopper(
-        _reshape_and_cache_kernel,
-        {"key_ptr": "bf16", "value_ptr": "bf16", "kv_cache_ptr": "bf16", "slot_mapping_ptr": "i64"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
+        [
+            {
+                "module": _reshape_and_cache_kernel.__module__,
+                "kernel": _reshape_and_cache_kernel.__name__,
+                "pointers": pointers | {"slot_mapping_ptr": "i64"},
+                "constexprs": {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
+                "num_warps": 4,
+            }
+        ]
     )
 
 
