@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from baton.engine.models.tiny import write_tiny_model
+
+# Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
+# before anything imports triton, and this file is loaded before every test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +35,4 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keeps the default-model and kernel caches of the tests out of the user's home."""
-    import os
-
     os.environ.setdefault("BATON_CACHE_DIR", str(tmp_path_factory.mktemp("baton-cache")))

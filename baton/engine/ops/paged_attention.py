@@ -14,8 +14,9 @@ the q-block's key range. With one split it writes the output directly; with seve
 unnormalised partial results and a second small kernel merges them. The split count comes from
 :func:`choose_num_splits`.
 
-Kernels are jitted on first launch, not at import: the module imports without triton (the reference
-still works), and ``TRITON_INTERPRET=1`` only has to be set before the first launch.
+Triton is imported and the kernels jitted on first launch, not at import: the module imports
+without triton (the reference still works), and ``TRITON_INTERPRET=1`` only has to be set before
+the first launch, provided nothing else imported triton earlier.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # The torch reference stays usable without triton.
-    triton = None
+# triton.language, bound by _jit on first launch: importing this module does not import triton
+# (slow, optional on CPU, and TRITON_INTERPRET must be set before triton's first import).
+tl: Any = None
 
 __all__ = ["choose_num_splits", "paged_attention", "paged_attention_reference"]
 
@@ -236,12 +235,17 @@ def _paged_attention_reduce_kernel(
 
 @functools.cache
 def _jit(kernel: Any) -> Any:
-    """Jit ``kernel`` once, on first use, so TRITON_INTERPRET is read at launch time."""
-    if triton is None:
+    """Import triton and jit ``kernel``, once, on first use (TRITON_INTERPRET is read here)."""
+    global tl
+    try:
+        import triton
+        import triton.language
+    except ImportError as e:
         raise RuntimeError(
             "paged_attention needs triton; install it (pip install triton) "
             "or use paged_attention_reference"
-        )
+        ) from e
+    tl = triton.language
     return triton.jit(kernel)
 
 

@@ -4,8 +4,9 @@ The cache is one tensor for all layers, ``[num_blocks, num_layers, 2, block_size
 head_dim]`` (dim 2: 0 is K, 1 is V). A token's slot is ``block_id * block_size + offset_in_block``;
 a negative slot means "skip this token" (padding).
 
-Kernels are jitted on first launch, not at import: the module imports without triton (the reference
-still works), and ``TRITON_INTERPRET=1`` only has to be set before the first launch.
+Triton is imported and the kernels jitted on first launch, not at import: the module imports
+without triton (the reference still works), and ``TRITON_INTERPRET=1`` only has to be set before
+the first launch, provided nothing else imported triton earlier.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from typing import Any
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # The torch reference stays usable without triton.
-    triton = None
+# triton.language, bound by _jit on first launch: importing this module does not import triton
+# (slow, optional on CPU, and TRITON_INTERPRET must be set before triton's first import).
+tl: Any = None
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_reference"]
 
@@ -90,12 +89,17 @@ def _next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _jit(kernel: Any) -> Any:
-    """Jit ``kernel`` once, on first use, so TRITON_INTERPRET is read at launch time."""
-    if triton is None:
+    """Import triton and jit ``kernel``, once, on first use (TRITON_INTERPRET is read here)."""
+    global tl
+    try:
+        import triton
+        import triton.language
+    except ImportError as e:
         raise RuntimeError(
             "reshape_and_cache needs triton; install it (pip install triton) "
             "or use reshape_and_cache_reference"
-        )
+        ) from e
+    tl = triton.language
     return triton.jit(kernel)
 
 

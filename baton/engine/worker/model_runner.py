@@ -100,7 +100,8 @@ class ModelRunner:
             config.attention_backend, config.block_size, model_config.head_dim**-0.5
         )
         self.sampler = Sampler()
-        self.generator = torch.Generator(device="cpu")
+        # Generators live where the logits are: the sampler draws its noise there.
+        self.generator = torch.Generator(device=config.device)
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self._pending: PendingOutput | None = None  # the last step whose tokens may be unread
@@ -127,7 +128,7 @@ class ModelRunner:
         for new in out.scheduled_new_reqs:
             generator = None
             if new.sampling_params.seed is not None:
-                generator = torch.Generator(device="cpu")
+                generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,

@@ -1,25 +1,33 @@
 """Fixtures for the kernel tests; without CUDA, switches Triton to its CPU interpreter.
 
-Triton chooses between compiling and interpreting a kernel when ``triton.jit`` decorates it, by
-reading ``TRITON_INTERPRET`` at that moment. ``baton.engine.ops`` decorates its kernels on first
-launch, so setting the variable here is enough even if another test module imported the ops (or
-triton) earlier. A module that decorates kernels at import time is different: it must not be
-imported before this file runs; a suite-wide ``tests/conftest.py`` doing the same would cover it.
+Triton reads ``TRITON_INTERPRET`` when ``triton.jit`` decorates a function: for its own helpers
+(``tl.cdiv``, ``tl.max``...) at ``import triton``, for Baton's kernels at their first launch.
+So triton must not be imported before this file sets the variable. ``baton.engine.ops`` imports
+triton only on first launch, so importing it earlier is harmless; any other module that imports
+triton at import time, collected before this directory, breaks the CPU runs (a warning below
+says so). A suite-wide ``tests/conftest.py`` setting the variable would rule that out.
 """
 
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    if "triton" in sys.modules:
+        warnings.warn(
+            "triton was imported before tests/engine/ops/conftest.py could set "
+            "TRITON_INTERPRET=1; the CPU kernel tests will fail. Set it in the environment.",
+            stacklevel=1,
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -45,8 +53,11 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
-    torch.manual_seed(0)
+def _seed() -> Iterator[None]:
+    """Seed each test, and restore the global RNG after it so later tests do not depend on ours."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
 
 
 # Runs in a fresh process: with TRITON_INTERPRET=1, triton.language's own jitted helpers
@@ -55,10 +66,10 @@ _COMPILE_SCRIPT = """
 import importlib, json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from triton.runtime.jit import JITFunction
 
 for job in json.loads(sys.stdin.read()):
-    fn = JITFunction(getattr(importlib.import_module(job["module"]), job["kernel"]))
+    module = importlib.import_module(job["module"])
+    fn = module._jit(getattr(module, job["kernel"]))  # a JITFunction: no interpreter here
     signature = {}
     for name in fn.arg_names:
         if name in job["constexprs"]:
@@ -76,9 +87,10 @@ for job in json.loads(sys.stdin.read()):
 def _compile_for_hopper(jobs: list[dict[str, Any]]) -> None:
     """Compile Baton kernels for sm_90 with Triton's bundled ptxas in a subprocess; no GPU needed.
 
-    Each job names ``module``, ``kernel`` (the undecorated function), ``pointers`` (argument
-    name to element type, "fp16", "i32"...), ``constexprs`` and ``num_warps``; ``qk_scale`` is
-    fp32 and other arguments i32. Skips where this Triton lacks the ahead-of-time API or ptxas.
+    Each job names ``module``, ``kernel`` (the undecorated function, which the module's ``_jit``
+    decorates), ``pointers`` (argument name to element type, "fp16", "i32"...), ``constexprs``
+    and ``num_warps``; ``qk_scale`` is fp32 and other arguments i32. Skips where this Triton has
+    no bundled ptxas.
     """
     import triton
 
