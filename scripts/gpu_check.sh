@@ -11,7 +11,7 @@ OUT_DIR="${OUT:-out}"
 mkdir -p "$OUT_DIR"
 RESULTS="$OUT_DIR/gpu_check.txt"
 : >"$RESULTS"
-BUDGET_S=470 # leaves slack under 8 minutes
+BUDGET_S=450 # leaves slack under 8 minutes
 FAILED=()
 PY=.venv/bin/python
 export PYTHONUNBUFFERED=1 # keep the output of a step that times out
