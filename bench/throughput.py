@@ -10,7 +10,9 @@ Same model (the `small` benchmark model by default), same seeded workload, same 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import sys
 import time
@@ -20,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from baton import LLM, SamplingParams  # noqa: E402
-from baton.engine.models.tiny import default_model_path  # noqa: E402
+from baton import LLM, SamplingParams
+from baton.engine.models.tiny import default_model_path
 
 VLLM_CPU_REFERENCE = 890.0  # vLLM 0.32 CPU build, this workload and model, on the 2-core machine
 
@@ -42,13 +44,20 @@ def run_baton(model: str, work: list[tuple[list[int], int]], args: argparse.Name
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
+        async_scheduling=args.async_scheduling,
     )
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     llm.generate(prompts[:4], params[:4])  # warm-up
+    profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(m for _, m in work)
     if produced != expected:
@@ -56,7 +65,9 @@ def run_baton(model: str, work: list[tuple[list[int], int]], args: argparse.Name
     return produced / elapsed
 
 
-def run_transformers(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> float:
+def run_transformers(
+    model: str, work: list[tuple[list[int], int]], args: argparse.Namespace
+) -> float:
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if args.device == "cuda" else "cpu"
@@ -97,6 +108,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
+    parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile Baton's run")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "auto":

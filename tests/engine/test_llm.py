@@ -168,7 +168,7 @@ def test_logprobs_match_transformers(tiny_model) -> None:
     prompt = _prompts([20], 512, seed=12)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
     out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
-    tokens, logits = hf_greedy(path, prompt, 6)
+    _, logits = hf_greedy(path, prompt, 6)
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs is not None and len(out.logprobs) == 6
     for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
@@ -291,7 +291,7 @@ def test_bad_model_folders_fail_clearly(tiny_model, tmp_path: Path) -> None:
     no_config = tmp_path / "no-config"
     shutil.copytree(src, no_config)
     (no_config / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
         LLM(str(no_config))
     unknown = tmp_path / "unknown"
     shutil.copytree(src, unknown)

@@ -22,6 +22,7 @@ the first launch, provided nothing else imported triton earlier.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -246,7 +247,11 @@ def _jit(kernel: Any) -> Any:
             "or use paged_attention_reference"
         ) from e
     tl = triton.language
-    return triton.jit(kernel)
+    # Ints that change from call to call (batch size, layer) must not be specialised on
+    # (value 1, multiples of 16): every new combination would compile the kernel again.
+    params = inspect.signature(kernel).parameters
+    varying = [name for name in ("batch", "layer", "num_slots") if name in params]
+    return triton.jit(kernel, do_not_specialize=varying)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -12,6 +12,7 @@ the first launch, provided nothing else imported triton earlier.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -100,7 +101,11 @@ def _jit(kernel: Any) -> Any:
             "or use reshape_and_cache_reference"
         ) from e
     tl = triton.language
-    return triton.jit(kernel)
+    # Ints that change from call to call (batch size, layer) must not be specialised on
+    # (value 1, multiples of 16): every new combination would compile the kernel again.
+    params = inspect.signature(kernel).parameters
+    varying = [name for name in ("batch", "layer", "num_slots") if name in params]
+    return triton.jit(kernel, do_not_specialize=varying)
 
 
 def _check_inputs(

@@ -206,31 +206,27 @@ class ModelRunner:
             if end >= known + state.num_pending:
                 sample_rows.append(row)
 
-        dev = self.device
-        input_ids_t = torch.from_numpy(input_ids).to(dev)
+        h2d = self._to_device
+        input_ids_t = h2d(input_ids)
         if from_device:
             assert self._pending is not None
-            idx, prev_rows = zip(*from_device, strict=True)
-            input_ids_t[torch.tensor(idx, device=dev)] = self._pending.sampled[
-                torch.tensor(prev_rows, device=dev)
-            ]
+            idx, prev_rows = (np.asarray(x, dtype=np.int64) for x in zip(*from_device, strict=True))
+            input_ids_t[h2d(idx)] = self._pending.sampled[h2d(prev_rows)]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=h2d(slot_mapping),
+            query_start_loc=h2d(query_start_loc),
+            seq_lens=h2d(seq_lens),
+            block_tables=h2d(block_tables),
             max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc_np=query_start_loc,
             seq_lens_np=seq_lens,
             block_tables_np=block_tables,
         )
-        hidden = self.model(
-            input_ids_t, torch.from_numpy(positions).to(dev), self.kv_cache, self.attn, meta
-        )
+        hidden = self.model(input_ids_t, h2d(positions), self.kv_cache, self.attn, meta)
         if not sample_rows:
             return PendingOutput.empty()
-        last_token_idx = torch.from_numpy(query_start_loc[1:][sample_rows] - 1).to(dev).long()
+        last_token_idx = h2d((query_start_loc[1:][sample_rows] - 1).astype(np.int64))
         logits = self.model.compute_logits(hidden[last_token_idx])
         sampled = [scheduled[r] for r in sample_rows]
         result = self.sampler(logits, self._sampling_metadata(sampled))
@@ -239,9 +235,16 @@ class ModelRunner:
         self._pending = PendingOutput(sampled, result)
         return self._pending
 
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array to device without blocking: a copy from pageable memory would first wait
+        for every queued kernel, which is exactly the overlap async scheduling is after."""
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
-        dev = self.device
         greedy = all(p.greedy for p in params)
         needs_logprobs = [p.logprobs for p in params if p.logprobs is not None]
         max_logprobs = max(needs_logprobs) if needs_logprobs else None
@@ -253,21 +256,21 @@ class ModelRunner:
             if p.min_tokens and num_output < p.min_tokens:
                 min_block[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
 
-        def column(values: list[float], skip: float, dtype: torch.dtype) -> torch.Tensor | None:
+        def column(values: list[float], skip: float, dtype: np.dtype) -> torch.Tensor | None:
             if all(v == skip for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return self._to_device(np.asarray(values, dtype=dtype))
 
         return SamplingMetadata(
-            temperature=torch.tensor([p.temperature for p in params], device=dev),
+            temperature=self._to_device(np.asarray([p.temperature for p in params], np.float32)),
             all_greedy=greedy and not penalties and not min_block,
-            top_k=column([p.top_k for p in params], 0, torch.int64),
-            top_p=column([p.top_p for p in params], 1.0, torch.float32),
-            min_p=column([p.min_p for p in params], 0.0, torch.float32),
+            top_k=column([p.top_k for p in params], 0, np.int64),
+            top_p=column([p.top_p for p in params], 1.0, np.float32),
+            min_p=column([p.min_p for p in params], 0.0, np.float32),
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            presence_penalty=column([p.presence_penalty for p in params], 0.0, torch.float32),
-            frequency_penalty=column([p.frequency_penalty for p in params], 0.0, torch.float32),
-            repetition_penalty=column([p.repetition_penalty for p in params], 1.0, torch.float32),
+            presence_penalty=column([p.presence_penalty for p in params], 0.0, np.float32),
+            frequency_penalty=column([p.frequency_penalty for p in params], 0.0, np.float32),
+            repetition_penalty=column([p.repetition_penalty for p in params], 1.0, np.float32),
             prompt_token_ids=[s.token_ids[: s.num_prompt_tokens] for s in states]
             if penalties
             else [],
