@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from baton.engine.config import EngineArgs
 from baton.engine.core import EngineCore
@@ -74,14 +74,17 @@ class LLM:
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of them, through the chat template."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        conversations = cast(
+            "list[list[dict[str, Any]]]",
+            messages if messages and isinstance(messages[0], list) else [messages],
+        )
         prompts: list[PromptType] = [
             {
                 "prompt_token_ids": apply_chat_template(
                     self.tokenizer, conv, add_generation_prompt, chat_template
                 )
             }
-            for conv in conversations  # type: ignore[misc]
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params)
 

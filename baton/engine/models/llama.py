@@ -56,6 +56,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (rotate halves), with a cos/sin table indexed by position."""
 
+    cos: torch.Tensor  # [max_positions, head_dim / 2] float32 buffer
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config

@@ -88,6 +88,7 @@ def load_model(
         if param is None:
             raise ValueError(f"unexpected weight {hf_name!r} in {config.path}")
         with torch.no_grad():
+            dst: torch.Tensor
             if shard is None:
                 dst = param
                 loaded.add(target)
@@ -103,15 +104,15 @@ def load_model(
                     f"expected {tuple(dst.shape)}"
                 )
             dst.copy_(tensor.to(dtype))
-    expected = set()
+    expected: set[str] = set()
     for name in params:
-        fused = next(
+        fused_into = next(
             (f for f in sizes if name.endswith(f"{f}.weight") or name.endswith(f"{f}.bias")), None
         )
-        if fused is None:
+        if fused_into is None:
             expected.add(name)
         else:
-            expected.update(f"{name}#{i}" for i in range(len(sizes[fused])))
+            expected.update(f"{name}#{i}" for i in range(len(sizes[fused_into])))
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)

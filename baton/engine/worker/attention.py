@@ -136,18 +136,18 @@ class TorchAttention:
             group = rows[g : g + _DECODE_GROUP]
             lens = seq_lens[group]
             nblocks = int(-(-lens.max() // bs))
-            mask = None
+            group_mask: torch.Tensor | None = None
             if lens.min() != nblocks * bs:
                 pos = np.arange(nblocks * bs)
-                mask = torch.from_numpy(pos[None, :] < lens[:, None]).view(len(group), 1, 1, -1)
-                mask = mask.to(device)
+                group_mask = torch.from_numpy(pos[None, :] < lens[:, None]).to(device)
+                group_mask = group_mask.view(len(group), 1, 1, -1)
             plan.decode_groups.append(
                 _DecodeGroup(
                     token_idx=torch.from_numpy(qsl[group].astype(np.int64)).to(device),
                     block_table=torch.from_numpy(tables[group, :nblocks].astype(np.int64)).to(
                         device
                     ),
-                    mask=mask,
+                    mask=group_mask,
                 )
             )
         meta.plan["torch"] = plan

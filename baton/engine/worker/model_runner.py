@@ -211,6 +211,7 @@ class ModelRunner:
         if from_device:
             assert self._pending is not None
             idx, prev_rows = (np.asarray(x, dtype=np.int64) for x in zip(*from_device, strict=True))
+            assert self._pending.sampled is not None
             input_ids_t[h2d(idx)] = self._pending.sampled[h2d(prev_rows)]
         meta = AttentionMetadata(
             slot_mapping=h2d(slot_mapping),
@@ -256,7 +257,7 @@ class ModelRunner:
             if p.min_tokens and num_output < p.min_tokens:
                 min_block[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
 
-        def column(values: list[float], skip: float, dtype: np.dtype) -> torch.Tensor | None:
+        def column(values: list[float], skip: float, dtype: type) -> torch.Tensor | None:
             if all(v == skip for v in values):
                 return None
             return self._to_device(np.asarray(values, dtype=dtype))
