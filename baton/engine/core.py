@@ -67,6 +67,7 @@ class EngineCore:
                 seed=args.seed,
             ),
         )
+        self.last_step_tokens = 0  # tokens the last step computed (the iteration-tokens metric)
         self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_blocks = self._num_blocks(device)
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -135,6 +136,7 @@ class EngineCore:
         device before step N's tokens are read back, so the device never waits for Python.
         """
         scheduler_output = self.scheduler.schedule()
+        self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         if not self.args.async_scheduling:
             runner_output = self.runner.execute_model(scheduler_output)
             return self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -10,6 +10,7 @@ from baton.engine.config import EngineArgs
 from baton.engine.core import EngineCore
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
+from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import apply_chat_template, load_tokenizer
@@ -55,12 +56,12 @@ class LLM:
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         inputs = [self._tokenize(p, i) for i, p in enumerate(prompts)]
-        max_len = self.engine.max_model_len
+        mc = self.engine.model_config
         for i, (_, ids) in enumerate(inputs):
-            if len(ids) > max_len:
-                raise ValueError(
-                    f"prompt {i} is {len(ids)} tokens, longer than max_model_len {max_len}"
-                )
+            try:
+                check_prompt_token_ids(ids, self.engine.max_model_len, mc.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         request_ids = []
         for (text, ids), params, prio in zip(inputs, params_list, priorities, strict=True):
             request_ids.append(self._add_request(text, ids, params, prio))
@@ -95,41 +96,23 @@ class LLM:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = [int(t) for t in prompt["prompt_token_ids"]]
             text = prompt.get("prompt")
-            vocab = self.engine.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {index} has token ids outside [0, {vocab}): {bad[:5]}")
         else:
             raise ValueError(
                 f"prompt {index} must be a str or a dict with 'prompt_token_ids', got {prompt!r}"
             )
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
         return text, ids
 
     def _add_request(
         self, text: str | None, ids: list[int], params: SamplingParams, priority: int
     ) -> str:
         request_id = str(next(self._counter))
-        child_ids = (
-            [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
-        )
-        self.output_processor.add_request(request_id, text, ids, child_ids, params)
+        children = child_requests(request_id, params)
+        self.output_processor.add_request(request_id, text, ids, [c for c, _ in children], params)
         eos = self.engine.model_config.eos_token_ids
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                # Distinct but reproducible samples: sample i draws from seed + i.
-                child_params = _replace_seed(params, params.seed + i)
+        group = request_id if params.n > 1 else None
+        for child_id, child_params in children:
             self.engine.add_request(
-                Request(
-                    child_id,
-                    ids,
-                    child_params,
-                    eos_token_ids=eos,
-                    priority=priority,
-                    group_id=request_id if params.n > 1 else None,
-                )
+                Request(child_id, ids, child_params, eos, priority=priority, group_id=group)
             )
         return request_id
 
@@ -137,15 +120,10 @@ class LLM:
         wanted = set(request_ids)
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests() and len(results) < len(wanted):
-            finished, to_abort = self.output_processor.process_outputs(self.engine.step())
+            updates, to_abort = self.output_processor.process_outputs(self.engine.step())
             if to_abort:
                 self.engine.abort_requests(to_abort)
-            for output in finished:
-                results[output.request_id] = output
+            for output in updates:
+                if output.finished:
+                    results[output.request_id] = output
         return [results[r] for r in request_ids]
-
-
-def _replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, seed=seed)

@@ -30,6 +30,7 @@ class _Parent:
     prompt_token_ids: list[int]
     samples: dict[str, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
@@ -67,8 +68,12 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the finished request outputs and the child ids to abort in the engine core
-        (those that hit a stop string)."""
+        """Returns a snapshot of every request that changed (`.finished` once all its samples
+        are done) and the child ids to abort in the engine core (those that hit a stop string).
+
+        Snapshots share their token and logprob lists with the processor: read them before the
+        next call (a stream sends the part past what it sent last time).
+        """
         to_abort: list[str] = []
         touched: dict[str, _Parent] = {}
         for out in outputs:
@@ -77,6 +82,8 @@ class OutputProcessor:
                 continue
             sample = parent.samples[out.request_id]
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None and parent.queue_time is None:
+                parent.queue_time = out.queue_time
             if out.new_logprobs and sample.logprobs is not None:
                 for entry in out.new_logprobs:
                     sample.logprobs.append(self._logprob_dict(entry))
@@ -93,14 +100,14 @@ class OutputProcessor:
                 sample.detok.flush()
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             touched[parent.request_id] = parent
-        finished = []
+        updates = []
         for parent in touched.values():
+            updates.append(self._make_output(parent))
             if parent.finished():
-                finished.append(self._make_output(parent))
                 del self._parents[parent.request_id]
                 for child_id in parent.samples:
                     del self._child_to_parent[child_id]
-        return finished, to_abort
+        return updates, to_abort
 
     def abort(self, request_id: str) -> list[str]:
         """Forgets a request; returns its child ids so the caller aborts them in the engine."""
@@ -125,7 +132,7 @@ class OutputProcessor:
             CompletionOutput(
                 index=s.index,
                 text=s.detok.text,
-                token_ids=list(s.detok.token_ids),
+                token_ids=s.detok.token_ids,
                 cumulative_logprob=s.cumulative_logprob,
                 logprobs=s.logprobs,
                 finish_reason=s.finish_reason,
@@ -138,6 +145,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outputs,
-            finished=True,
+            finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
+            queue_time=parent.queue_time,
         )

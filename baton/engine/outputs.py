@@ -37,3 +37,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled

@@ -67,6 +67,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.
         self.block_hashes: list[bytes] = []
 

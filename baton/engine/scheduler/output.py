@@ -76,6 +76,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -229,6 +230,7 @@ class Scheduler:
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.time()
             # Only a request with full prompt blocks left to fill leads its group: a sibling that
             # already hit them all has nothing for the others to wait for (making it the leader
             # admitted the siblings one per step).
@@ -316,6 +318,7 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
                 )
             )
             if request.is_finished():
@@ -364,6 +367,12 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _queue_time(request: Request) -> float | None:
+    if request.first_scheduled_time is None:
+        return None
+    return max(0.0, request.first_scheduled_time - request.arrival_time)
 
 
 def _rank(request: Request) -> tuple[int, float]:

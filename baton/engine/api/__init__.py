@@ -1,0 +1,1 @@
+"""The OpenAI-compatible engine server: request/response models, the FastAPI app, metrics."""

@@ -1,0 +1,287 @@
+"""AsyncLLM: the API server's client of its EngineCore process.
+
+Starts the core process and does the handshake, sends requests and aborts over ZMQ, and turns the
+core's outputs into per-request streams of `RequestOutput` snapshots. Detokenization and stop
+strings run here, in the server's event loop, never in the busy loop. If the core process dies,
+every open stream fails at once with `EngineDeadError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from baton.engine import protocol as p
+from baton.engine.config import EngineArgs
+from baton.engine.core import resolve_model_path
+from baton.engine.core_proc import run_engine_core
+from baton.engine.models.config import ModelConfig
+from baton.engine.output_processor import OutputProcessor
+from baton.engine.outputs import RequestOutput
+from baton.engine.processor import check_prompt_token_ids, child_requests
+from baton.engine.protocol import EngineStats
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStats"]
+
+_HELLO_TIMEOUT = 120.0  # spawning a Python process that imports torch takes seconds
+_READY_TIMEOUT = 1800.0  # loading a real model can take minutes
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore process is gone; nothing more will be served."""
+
+
+class _Stream:
+    """Latest snapshot of one request. Snapshots are cumulative, so a slow reader just skips to
+    the newest one instead of queueing every step."""
+
+    def __init__(self) -> None:
+        self.latest: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput) -> None:
+        self.latest = item
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.ready.clear()
+        if self.error is not None:
+            raise self.error
+        assert self.latest is not None
+        return self.latest
+
+
+class AsyncLLM:
+    def __init__(self) -> None:  # use `await AsyncLLM.start(args)`
+        self.stats = EngineStats()
+        self.dead_error: EngineDeadError | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dead_callbacks: list[Any] = []
+        self._closing = False
+
+    @classmethod
+    async def start(cls, args: EngineArgs) -> AsyncLLM:
+        """Spawns the core, does the HELLO / config / READY handshake, returns when READY."""
+        self = cls()
+        self.model_path = resolve_model_path(args.model)
+        args = _with_model(args, str(self.model_path))
+        self.args = args
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(args.tokenizer or self.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._tmp = tempfile.TemporaryDirectory(prefix="baton-")
+        base = f"ipc://{self._tmp.name}"
+        self._ctx = zmq.asyncio.Context()
+        handshake = self._ctx.socket(zmq.PAIR)
+        handshake.bind(f"{base}/handshake")
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(f"{base}/input")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(f"{base}/output")
+        spawn = multiprocessing.get_context("spawn")
+        self.proc = spawn.Process(
+            target=run_engine_core,
+            args=(f"{base}/handshake", logging.getLogger().getEffectiveLevel()),
+            name="baton-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        try:
+            hello = await self._handshake_recv(handshake, _HELLO_TIMEOUT)
+            if not isinstance(hello, p.Hello):
+                raise RuntimeError(f"engine core sent {type(hello).__name__} before HELLO")
+            config = p.CoreConfig(f"{base}/input", f"{base}/output", args)
+            await handshake.send(p.encoder.encode(config))
+            ready = await self._handshake_recv(handshake, _READY_TIMEOUT)
+            if isinstance(ready, p.Failed):
+                raise ValueError(f"the engine failed to start: {ready.error}")
+            if not isinstance(ready, p.Ready):
+                raise RuntimeError(f"engine core sent {type(ready).__name__} instead of READY")
+        except BaseException:
+            self.proc.kill()
+            self._close_sockets()
+            raise
+        finally:
+            handshake.close(linger=0)
+        self.engine_pid = hello.pid
+        self.num_blocks = ready.num_blocks
+        self.max_model_len = ready.max_model_len
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._output_loop()))
+        loop.add_reader(self.proc.sentinel, self._on_core_exit)
+        logger.info("engine core %d ready: %d KV blocks", hello.pid, self.num_blocks)
+        return self
+
+    async def _handshake_recv(self, sock: zmq.asyncio.Socket, timeout: float) -> p.Handshake:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if await sock.poll(timeout=500):
+                return p.handshake_decoder.decode(await sock.recv())
+            if not self.proc.is_alive():
+                raise RuntimeError(
+                    f"the engine core process exited during start-up (code {self.proc.exitcode})"
+                )
+        raise TimeoutError(f"the engine core did not answer within {timeout:.0f} s")
+
+    # ---- requests ------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams cumulative snapshots of one request until it finishes.
+
+        Bad prompts raise ValueError before anything is queued. Leaving the loop early (break,
+        an exception, a cancelled task) aborts the request in the core and frees its blocks.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        check_prompt_token_ids(prompt_token_ids, self.max_model_len, self.model_config.vocab_size)
+        children = child_requests(request_id, sampling_params)
+        stream = _Stream()
+        self._streams[request_id] = stream
+        self.output_processor.add_request(
+            request_id, prompt, prompt_token_ids, [c for c, _ in children], sampling_params
+        )
+        packed = p.pack_ids(prompt_token_ids)
+        now = time.time()
+        group = request_id if sampling_params.n > 1 else None
+        for child_id, params in children:
+            msg = p.AddRequest(
+                child_id, packed, params, self.model_config.eos_token_ids, now, priority, group
+            )
+            await self._input.send(p.encoder.encode(msg))
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.dead_error is None:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort(request_id)
+        if child_ids and self.dead_error is None:
+            await self._input.send(p.encoder.encode(p.AbortRequests(child_ids)))
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        if self.dead_error is not None:
+            raise self.dead_error
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        await self._input.send(p.encoder.encode(p.UtilityCall(call_id, method, list(args))))
+        return await future
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.call_utility("reset_prefix_cache"))
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    # ---- outputs -------------------------------------------------------------------------
+
+    async def _output_loop(self) -> None:
+        while True:
+            msg = p.output_decoder.decode(await self._output.recv())
+            self.stats = msg.stats
+            updates, to_abort = self.output_processor.process_outputs(
+                [p.from_wire(o) for o in msg.outputs]
+            )
+            for update in updates:
+                stream = self._streams.get(update.request_id)
+                if stream is not None:
+                    stream.put(update)
+            if to_abort:  # stop strings found here end the request in the core
+                await self._input.send(p.encoder.encode(p.AbortRequests(to_abort)))
+            for result in msg.utility_results:
+                future = self._calls.pop(result.call_id, None)
+                if future is None or future.done():
+                    continue
+                if result.error is not None:
+                    future.set_exception(RuntimeError(result.error))
+                else:
+                    future.set_result(result.result)
+
+    # ---- the core's death and shutdown ---------------------------------------------------
+
+    def add_dead_callback(self, callback: Any) -> None:
+        """`callback(error)` runs once, in the event loop, when the core process dies."""
+        self._dead_callbacks.append(callback)
+
+    def _on_core_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.proc.sentinel)
+        self.proc.join(timeout=1)
+        if self._closing:
+            return
+        error = EngineDeadError(
+            f"the engine core process died (exit code {self.proc.exitcode}); "
+            "this server cannot serve requests any more"
+        )
+        self.dead_error = error
+        logger.error("%s", error)
+        for stream in self._streams.values():
+            stream.fail(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        for callback in self._dead_callbacks:
+            callback(error)
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        if self.proc.is_alive():
+            try:
+                await self._input.send(p.encoder.encode(p.UtilityCall(-1, "shutdown")))
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5)
+            finally:
+                if self.proc.is_alive():
+                    self.proc.kill()
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        for task in self._tasks:
+            task.cancel()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._ctx.destroy(linger=0)  # closes every socket, the handshake's too
+        self._tmp.cleanup()
+
+
+def _with_model(args: EngineArgs, model: str) -> EngineArgs:
+    from dataclasses import replace
+
+    return replace(args, model=model)
