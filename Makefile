@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	$(VENV)/bin/baton demo
+	@echo "Baton engine server on http://127.0.0.1:8000 with the built-in model. In another shell:"
+	@echo "  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"model\": \"llama-small\", \"prompt\": \"The relay team\", \"max_tokens\": 16}'"
+	$(VENV)/bin/baton engine --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest -q

@@ -1,4 +1,5 @@
-"""The `baton` command: `baton tiny-model PATH`, `baton demo` (until the servers land)."""
+"""The `baton` command: `baton engine` (the OpenAI-compatible engine server), `baton tiny-model`,
+`baton demo` (offline generation)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,26 @@ def _demo(args: argparse.Namespace) -> None:
     print(f"model: {llm.engine.model_path} (a randomly initialised model: the text is noise)")
 
 
+def _engine(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from baton.engine.api.server import configs_from_args, run_server
+
+    engine_args, server_config = configs_from_args(args)
+    sys.exit(asyncio.run(run_server(engine_args, server_config)))
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from baton.engine.api.server import add_server_args
     from baton.engine.models.tiny import ARCHITECTURES, SIZES
 
     parser = argparse.ArgumentParser(prog="baton", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    engine = sub.add_parser("engine", help="serve one model over an OpenAI-compatible HTTP API")
+    add_server_args(engine)
+    engine.set_defaults(func=_engine)
 
     tiny = sub.add_parser("tiny-model", help="write a deterministic random Hugging Face model")
     tiny.add_argument("path")

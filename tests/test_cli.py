@@ -1,4 +1,4 @@
-"""The `baton` command line: tiny-model writes a loadable model, demo generates, errors are clear."""
+"""The `baton` command line: tiny-model, demo, and clear errors."""
 
 from __future__ import annotations
 

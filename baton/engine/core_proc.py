@@ -116,7 +116,7 @@ class BusyLoop:
                 self.outputs.put(
                     p.CoreOutputs(
                         outputs=[p.to_wire(o) for o in step_outputs],
-                        stats=self._stats(),
+                        stats=self._stats(stepped),
                         utility_results=self._results,
                     )
                 )
@@ -149,14 +149,14 @@ class BusyLoop:
         if call.method == "reset_prefix_cache":
             result = self.core.scheduler.reset_prefix_cache()
         elif call.method == "get_load":
-            result = self._stats()
+            result = self._stats(stepped=False)
         elif call.method == "shutdown":
             self.running = False
         else:
             return p.UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         return p.UtilityResult(call.call_id, result=result)
 
-    def _stats(self) -> p.EngineStats:
+    def _stats(self, stepped: bool) -> p.EngineStats:
         s = self.core.scheduler.make_stats()
         return p.EngineStats(
             num_running=s.num_running,
@@ -165,5 +165,5 @@ class BusyLoop:
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
-            step_tokens=self.core.last_step_tokens,
+            step_tokens=self.core.last_step_tokens if stepped else 0,
         )

@@ -124,7 +124,7 @@ def test_a_model_that_cannot_load_fails_start_clearly(tmp_path: Path, tiny_model
     (broken / "config.json").write_text(json.dumps(config))
 
     async def main() -> None:
-        with pytest.raises(ValueError, match="the engine failed to start.*shape"):
+        with pytest.raises(ValueError, match=r"the engine failed to start.*shape"):
             await AsyncLLM.start(EngineArgs(model=str(broken), max_model_len=64))
 
     asyncio.run(main())

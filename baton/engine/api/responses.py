@@ -1,0 +1,393 @@
+"""The OpenAI-compatible wire format's responses, as vLLM serves them: response and stream chunk
+models, logprob formatting, and the pure conversions from the engine's `RequestOutput`.
+
+Nothing here touches the engine or the network, so every shape is testable on its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from baton.engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+# ---- responses -----------------------------------------------------------------------------
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "baton"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(event: CompletionChunk | ChatCompletionChunk) -> str:
+    """One server-sent event; unset fields are left out, as vLLM's chunks leave them out."""
+    event.model_fields_set.add("object")  # a default, but OpenAI's chunks always carry it
+    return f"data: {event.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return f"data: {error.response().model_dump_json()}\n\n"
+
+
+# ---- logprobs ------------------------------------------------------------------------------
+
+DecodeToken = Callable[[int], str]
+
+
+def _token_str(token: int, entry: dict[int, Logprob], decode: DecodeToken) -> str:
+    lp = entry.get(token)
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return decode(token)
+
+
+def _top(entry: dict[int, Logprob], num: int) -> list[tuple[int, Logprob]]:
+    """The `num` most likely tokens of one position, most likely first."""
+    ranked = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= num]
+    return sorted(ranked, key=lambda item: item[1].rank or 0)[:num]
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob] | None],
+    num_top: int,
+    text_offset: int,
+    decode: DecodeToken,
+) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's legacy logprobs for these tokens, and the text offset after them.
+
+    `top_logprobs` holds the `num_top` most likely tokens plus the sampled one, as vLLM does;
+    an entry of None (a prompt token, echoed) has no logprobs.
+    """
+    tokens: list[str] = []
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    for token, entry in zip(token_ids, entries, strict=False):
+        if entry is None:
+            text = decode(token)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            text = _token_str(token, entry, decode)
+            sampled = entry.get(token)
+            token_logprobs.append(sampled.logprob if sampled else None)
+            top = {_token_str(t, entry, decode): lp.logprob for t, lp in _top(entry, num_top)}
+            if sampled is not None:
+                top.setdefault(text, sampled.logprob)
+            top_logprobs.append(top)
+        tokens.append(text)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    result = CompletionLogProbs(
+        text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top_logprobs
+    )
+    return result, text_offset
+
+
+def chat_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[dict[int, Logprob]],
+    num_top: int,
+    decode: DecodeToken,
+) -> ChatLogProbs:
+    """OpenAI's chat logprobs: per token its logprob, bytes and the `num_top` most likely."""
+    content = []
+    for token, entry in zip(token_ids, entries, strict=False):
+        text = _token_str(token, entry, decode)
+        sampled = entry.get(token)
+        top = [
+            TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
+            for s, lp in ((_token_str(t, entry, decode), lp) for t, lp in _top(entry, num_top))
+        ]
+        content.append(
+            ChatLogprobEntry(
+                token=text,
+                logprob=sampled.logprob if sampled else float("-inf"),
+                bytes=list(text.encode()),
+                top_logprobs=top,
+            )
+        )
+    return ChatLogProbs(content=content)
+
+
+# ---- streaming -----------------------------------------------------------------------------
+
+
+@dataclass
+class Delta:
+    """What one sample added since the last chunk."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class SampleCursor:
+    """How much of one sample a stream has sent.
+
+    While a sample runs, the last `holdback` characters stay unsent: they may be the start of
+    a stop string, which is cut from the text once it completes.
+    """
+
+    holdback: int = 0
+    text_sent: int = 0
+    tokens_sent: int = 0
+    finished: bool = False
+    started: bool = False  # a chunk of this sample went out
+    text_offset: int = 0  # where the next token's text starts (completions' logprobs)
+
+    def advance(self, sample: CompletionOutput) -> Delta | None:
+        """The new part of a cumulative snapshot, or None when there is nothing to send."""
+        if self.finished:
+            return None
+        done = sample.finish_reason is not None
+        end = len(sample.text) if done else max(self.text_sent, len(sample.text) - self.holdback)
+        text = sample.text[self.text_sent : end]
+        num_tokens = len(sample.token_ids)
+        if not done and not text and num_tokens == self.tokens_sent:
+            return None
+        token_ids = list(sample.token_ids[self.tokens_sent : num_tokens])
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = list(sample.logprobs[self.tokens_sent : num_tokens])
+        self.text_sent, self.tokens_sent, self.finished = end, num_tokens, done
+        self.started = True
+        return Delta(text, token_ids, logprobs, sample.finish_reason, sample.stop_reason)
+
+
+def stop_holdback(stop: Sequence[str]) -> int:
+    return max((len(s) for s in stop), default=1) - 1
+
+
+# ---- whole responses -----------------------------------------------------------------------
+
+
+def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+def completion_response(
+    request: CompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    outputs: Sequence[RequestOutput],
+    decode: DecodeToken,
+) -> CompletionResponse:
+    """The non-streaming answer to a batch of prompts; choice i*n + j is sample j of prompt i."""
+    choices = []
+    for i, out in enumerate(outputs):
+        prefix = ""
+        if request.echo:
+            prefix = (
+                out.prompt if out.prompt is not None else _decode_all(out.prompt_token_ids, decode)
+            )
+        for sample in out.outputs:
+            logprobs = None
+            if request.logprobs is not None:
+                ids: list[int] = []
+                entries: list[dict[int, Logprob] | None] = []
+                if request.echo:
+                    ids += out.prompt_token_ids
+                    entries += [None] * len(out.prompt_token_ids)
+                ids += sample.token_ids
+                entries += list(sample.logprobs or [])
+                logprobs, _ = completion_logprobs(ids, entries, request.logprobs, 0, decode)
+            choices.append(
+                CompletionChoice(
+                    index=i * request.n + sample.index,
+                    text=prefix + sample.text,
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                    prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
+                    token_ids=list(sample.token_ids) if request.return_token_ids else None,
+                )
+            )
+    return CompletionResponse(
+        id=response_id, created=created, model=model, choices=choices, usage=usage_of(outputs)
+    )
+
+
+def chat_response(
+    request: ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    out: RequestOutput,
+    decode: DecodeToken,
+) -> ChatCompletionResponse:
+    choices = []
+    for sample in out.outputs:
+        logprobs = None
+        if request.logprobs:
+            logprobs = chat_logprobs(
+                sample.token_ids, sample.logprobs or [], request.top_logprobs or 0, decode
+            )
+        choices.append(
+            ChatChoice(
+                index=sample.index,
+                message=AssistantMessage(content=sample.text),
+                logprobs=logprobs,
+                finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason,
+                token_ids=list(sample.token_ids) if request.return_token_ids else None,
+            )
+        )
+    return ChatCompletionResponse(
+        id=response_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage_of([out]),
+        prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
+    )
+
+
+def _decode_all(token_ids: Sequence[int], decode: DecodeToken) -> str:
+    return "".join(decode(t) for t in token_ids)

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible routes' logic over one engine: admission and the drain, prompts,
+completions and chat completions (whole or streamed as server-sent events), and the tokenizer
+routes. `server.build_app` wires an `EngineServer` into FastAPI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from baton.engine.api import protocol as p
+from baton.engine.api import responses as r
+from baton.engine.api.metrics import EngineMetrics
+from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, collect, merge
+from baton.engine.async_llm import AsyncLLM
+from baton.engine.outputs import RequestOutput
+from baton.engine.processor import check_prompt_token_ids
+from baton.engine.tokenizer import apply_chat_template
+
+
+def _finish_reason(delta: r.Delta) -> str | None:
+    if delta.finish_reason == "abort":  # never shown to a client as a finish reason
+        raise p.APIError(500, "the engine aborted the request")
+    return delta.finish_reason
+
+
+class EngineServer:
+    """The routes' logic over one engine; `build_app` wires it into FastAPI."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        *,
+        served_model_name: str | None,  # None: the model folder's name
+        max_waiting_requests: int | None,  # 429 once the engine has this many waiting
+        engine_label: str,  # the `engine` label of every metric
+    ) -> None:
+        self.llm = llm
+        self.max_waiting_requests = max_waiting_requests
+        self.tokenizer = llm.tokenizer
+        self.model_name = served_model_name or llm.model_path.name
+        self.metrics = EngineMetrics(lambda: llm.stats, self.model_name, engine_label)
+        self.draining = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def decode_token(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+    # -- admission and the drain --
+
+    def _admit(self, model: str | None) -> Callable[[], None]:
+        """Checks a generation request may start; returns the call that ends its tracking."""
+        self._check_model(model)
+        if self.llm.dead_error is not None:
+            raise p.APIError(503, f"the engine is dead: {self.llm.dead_error}")
+        if self.draining:
+            raise p.APIError(503, "the server is shutting down")
+        bound = self.max_waiting_requests
+        if bound is not None and self.llm.stats.num_waiting >= bound:
+            raise p.APIError(
+                429,
+                f"too many requests waiting ({self.llm.stats.num_waiting} >= {bound}); retry later",
+            )
+        self.num_in_flight += 1
+        self._idle.clear()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.num_in_flight -= 1
+                if self.num_in_flight == 0:
+                    self._idle.set()
+
+        return release
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no request is in flight; False if `timeout` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def healthy(self) -> bool:
+        return self.llm.dead_error is None and not self.draining
+
+    # -- prompts --
+
+    def _tokenize_prompt(
+        self, prompt: str | list[int], add_special_tokens: bool, echo: bool
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(
+                self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            )
+        return (str(self.tokenizer.decode(prompt)) if echo else None), prompt
+
+    def _check_prompt(self, ids: list[int], param: str) -> None:
+        try:
+            check_prompt_token_ids(ids, self.llm.max_model_len, self.llm.model_config.vocab_size)
+        except ValueError as e:
+            raise p.APIError(400, str(e), param) from None
+
+    def _chat_prompt(
+        self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
+    ) -> list[int]:
+        try:
+            return apply_chat_template(
+                self.tokenizer, [m.to_template() for m in messages], add_generation_prompt, template
+            )
+        except ValueError as e:
+            raise p.APIError(400, str(e), "messages") from None
+        except Exception as e:  # a template that fails to render
+            raise p.APIError(400, f"the chat template failed: {e}", "messages") from None
+
+    # -- completions --
+
+    async def completions(self, req: p.CompletionRequest) -> Response:
+        req.check()
+        self._check_model(req.model)
+        rid = req.request_id or p.random_id()
+        inputs = []
+        for prompt in req.prompts():
+            text, ids = self._tokenize_prompt(prompt, req.add_special_tokens, req.echo)
+            max_tokens = p.resolve_max_tokens(
+                req.max_tokens, 16, len(ids), self.llm.max_model_len, "prompt"
+            )
+            self._check_prompt(ids, "prompt")
+            inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
+        release = self._admit(req.model)
+        streams = [
+            PromptStream(self.llm, self.metrics, f"cmpl-{rid}-{i}", prompt, params, req.priority)
+            for i, (prompt, params) in enumerate(inputs)
+        ]
+        response_id, created = f"cmpl-{rid}", int(time.time())
+        if not req.stream:
+            return await self._respond(
+                streams,
+                release,
+                lambda outs: r.completion_response(
+                    req, response_id, created, self.model_name, outs, self.decode_token
+                ),
+            )
+        holdback = r.stop_holdback(req.stop_list())
+        cursors = [[r.SampleCursor(holdback) for _ in range(req.n)] for _ in streams]
+        usage: dict[str, Any] = {"usage": None} if req.include_usage() else {}
+
+        def chunk(choices: list[r.CompletionChoice], **extra: Any) -> str:
+            return r.sse(
+                r.CompletionChunk(
+                    id=response_id, created=created, model=self.model_name, choices=choices, **extra
+                )
+            )
+
+        def chunks(i: int, out: RequestOutput) -> Iterator[str]:
+            for sample in out.outputs:
+                cursor = cursors[i][sample.index]
+                started = cursor.started
+                delta = cursor.advance(sample)
+                if delta is None:
+                    continue
+                text, ids = delta.text, delta.token_ids
+                entries: list[Any] = list(delta.logprobs or [])
+                if req.echo and not started:
+                    text = (out.prompt or "") + text
+                    ids = out.prompt_token_ids + ids
+                    entries = [None] * len(out.prompt_token_ids) + entries
+                shown = text or delta.finish_reason or req.logprobs is not None
+                if not (shown or req.return_token_ids):
+                    continue  # tokens whose text is held back: nothing to show yet
+                choice: dict[str, Any] = {
+                    "index": i * req.n + sample.index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(delta),
+                    "stop_reason": delta.stop_reason,
+                }
+                if req.logprobs is not None:
+                    choice["logprobs"], cursor.text_offset = r.completion_logprobs(
+                        ids, entries, req.logprobs, cursor.text_offset, self.decode_token
+                    )
+                if req.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                    if not started:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                yield chunk([r.CompletionChoice(**choice)], **usage)
+
+        return self._stream(
+            streams, release, [], chunks, lambda u: chunk([], usage=u) if usage else None
+        )
+
+    # -- chat completions --
+
+    async def chat_completions(self, req: p.ChatCompletionRequest) -> Response:
+        req.check()
+        self._check_model(req.model)
+        rid = req.request_id or p.random_id()
+        ids = self._chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = p.resolve_max_tokens(
+            req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
+        )
+        self._check_prompt(ids, "messages")
+        params = req.to_sampling_params(max_tokens)
+        release = self._admit(req.model)
+        streams = [
+            PromptStream(
+                self.llm, self.metrics, f"chatcmpl-{rid}", (None, ids), params, req.priority
+            )
+        ]
+        response_id, created = f"chatcmpl-{rid}", int(time.time())
+        if not req.stream:
+            return await self._respond(
+                streams,
+                release,
+                lambda outs: r.chat_response(
+                    req, response_id, created, self.model_name, outs[0], self.decode_token
+                ),
+            )
+        cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
+        usage: dict[str, Any] = {"usage": None} if req.include_usage() else {}
+
+        def chunk(choices: list[r.ChatStreamChoice], **extra: Any) -> str:
+            return r.sse(
+                r.ChatCompletionChunk(
+                    id=response_id, created=created, model=self.model_name, choices=choices, **extra
+                )
+            )
+
+        def chunks(_: int, out: RequestOutput) -> Iterator[str]:
+            for sample in out.outputs:
+                delta = cursors[sample.index].advance(sample)
+                if delta is None:
+                    continue
+                if not (delta.text or delta.finish_reason or req.logprobs or req.return_token_ids):
+                    continue  # tokens whose text is held back: nothing to show yet
+                choice: dict[str, Any] = {
+                    "index": sample.index,
+                    "delta": r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage(),
+                    "logprobs": None,
+                    "finish_reason": _finish_reason(delta),
+                    "stop_reason": delta.stop_reason,
+                }
+                if req.logprobs:
+                    choice["logprobs"] = r.chat_logprobs(
+                        delta.token_ids,
+                        delta.logprobs or [],
+                        req.top_logprobs or 0,
+                        self.decode_token,
+                    )
+                if req.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                yield chunk([r.ChatStreamChoice(**choice)], **usage)
+
+        # OpenAI opens each choice with the assistant role and empty content.
+        head = []
+        for index in range(req.n):
+            role = r.DeltaMessage(role="assistant", content="")
+            choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
+            first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
+            head.append(chunk([choice], **usage, **first))
+        return self._stream(
+            streams, release, head, chunks, lambda u: chunk([], usage=u) if usage else None
+        )
+
+    # -- both --
+
+    async def _respond(
+        self,
+        streams: list[PromptStream],
+        release: Callable[[], None],
+        body: Callable[[list[RequestOutput]], BaseModel],
+    ) -> Response:
+        """A non-streaming answer: waits for every prompt, then answers at once."""
+        try:
+            outputs = await collect(streams)
+            for out in outputs:
+                if any(s.finish_reason == "abort" for s in out.outputs):
+                    raise p.APIError(500, "the engine aborted the request")
+            return JSONResponse(body(outputs).model_dump(mode="json"))
+        finally:
+            await cleanup_for(streams, release)()
+
+    def _stream(
+        self,
+        streams: list[PromptStream],
+        release: Callable[[], None],
+        head: list[str],
+        chunks: Callable[[int, RequestOutput], Iterator[str]],
+        usage_chunk: Callable[[r.UsageInfo], str | None],
+    ) -> Response:
+        """A streaming answer: `head`, the chunks of each snapshot, the usage chunk if asked
+        for, `[DONE]`. An error after the headers went out is an error event, then `[DONE]`."""
+        cleanup = cleanup_for(streams, release)
+
+        async def events() -> AsyncGenerator[str, None]:
+            try:
+                for event in head:
+                    yield event
+                async for i, out in merge(streams):
+                    for event in chunks(i, out):
+                        yield event
+                last = usage_chunk(r.usage_of([s.last for s in streams if s.last is not None]))
+                if last is not None:
+                    yield last
+                yield r.DONE
+            except p.APIError as e:
+                yield r.sse_error(e)
+                yield r.DONE
+            finally:
+                await cleanup()
+
+        return EventStream(events(), cleanup)
+
+    # -- tokenizer routes --
+
+    def tokenize(self, req: p.TokenizeRequest) -> r.TokenizeResponse:
+        req.check()
+        self._check_model(req.model)
+        if req.messages is not None:
+            ids = self._chat_prompt(req.messages, req.add_generation_prompt, None)
+        else:
+            add_special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(self.tokenizer.encode(req.prompt or "", add_special_tokens=add_special))
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+        return r.TokenizeResponse(
+            count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    def detokenize(self, req: p.DetokenizeRequest) -> r.DetokenizeResponse:
+        self._check_model(req.model)
+        vocab = self.llm.model_config.vocab_size
+        bad = [t for t in req.tokens if t >= vocab]
+        if bad:
+            raise p.APIError(400, f"token ids outside [0, {vocab}): {bad[:5]}", "tokens")
+        return r.DetokenizeResponse(prompt=str(self.tokenizer.decode(req.tokens)))
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise p.APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def models(self) -> r.ModelList:
+        card = r.ModelCard(
+            id=self.model_name, root=str(self.llm.model_path), max_model_len=self.llm.max_model_len
+        )
+        return r.ModelList(data=[card])

@@ -1,0 +1,160 @@
+"""One request's streams from the engine: a prompt's snapshots with their metrics, the merge and
+collection of several prompts, and the responses that abort the engine's requests however the
+client goes away (an event stream that ends early, a disconnect before the answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, cast
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from baton.engine.api import protocol as p
+from baton.engine.api.metrics import EngineMetrics, RequestTimer
+from baton.engine.async_llm import AsyncLLM, EngineDeadError
+from baton.engine.outputs import RequestOutput
+from baton.engine.sampling_params import SamplingParams
+
+
+class PromptStream:
+    """One prompt's snapshots from the engine, with its metrics; errors become `APIError`s."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        metrics: EngineMetrics,
+        request_id: str,
+        prompt: tuple[str | None, list[int]],
+        params: SamplingParams,
+        priority: int,
+    ) -> None:
+        text, ids = prompt
+        gen = llm.generate(request_id, ids, params, prompt=text, priority=priority)
+        self._gen = cast("AsyncGenerator[RequestOutput, None]", gen)
+        self._timer = RequestTimer(metrics, len(ids), params.n)
+        self._closed = False
+        self.last: RequestOutput | None = None
+
+    async def next(self) -> RequestOutput | None:
+        """The next snapshot, or None once the request has finished."""
+        if self.last is not None and self.last.finished:
+            return None
+        try:
+            out = await anext(self._gen)
+        except StopAsyncIteration:
+            return None
+        except ValueError as e:  # raised before anything is queued: a bad prompt
+            raise p.APIError(400, str(e), "prompt") from None
+        except EngineDeadError as e:
+            raise p.APIError(503, str(e)) from None
+        self._timer.on_output(out)
+        self.last = out
+        return out
+
+    async def close(self) -> None:
+        """Aborts the request in the engine unless it finished (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._timer.on_closed()
+            await self._gen.aclose()
+
+
+async def merge(streams: list[PromptStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Later snapshots of several prompts, as they come. A stream's next snapshot is asked for
+    only after the consumer took its previous one (snapshots share lists with the engine)."""
+    if len(streams) == 1:
+        while (out := await streams[0].next()) is not None:
+            yield 0, out
+        return
+    pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                out = task.result()
+                if out is not None:
+                    yield i, out
+                    pending[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def collect(streams: list[PromptStream]) -> list[RequestOutput]:
+    """Every prompt's final snapshot."""
+
+    async def run(stream: PromptStream) -> RequestOutput:
+        while await stream.next() is not None:
+            pass
+        if stream.last is None:
+            raise p.APIError(500, "the engine ended a request without output")
+        return stream.last
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(run(s)) for s in streams]
+    return [t.result() for t in tasks]
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose cleanup runs however the response ends, even if the body was
+    never iterated (a client gone before the first byte): it aborts the engine requests."""
+
+    def __init__(
+        self, content: AsyncGenerator[str, None], cleanup: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._events = content
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # runs its `finally` if it was left at a `yield`
+            await self._cleanup()
+
+
+def cleanup_for(
+    streams: list[PromptStream], release: Callable[[], None]
+) -> Callable[[], Awaitable[None]]:
+    """The call that ends a request: closes (aborts) its streams, then `release`s its admission."""
+
+    async def cleanup() -> None:
+        try:
+            for s in streams:
+                await s.close()
+        finally:
+            release()
+
+    return cleanup
+
+
+async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Runs `work`, cancelling it if the client disconnects first (its engine requests abort)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    listener = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody is listening
+    return task.result()

@@ -1,0 +1,79 @@
+"""The OpenAI wire format's response side without an engine: logprob shapes, the stream cursor's
+stop-string holdback, and server-sent event chunks."""
+
+from __future__ import annotations
+
+import json
+
+from baton.engine.api import responses as r
+from baton.engine.outputs import CompletionOutput, Logprob
+
+# ---- logprobs and streaming shapes ---------------------------------------------------------
+
+
+def _entry(sampled: int, *alts: int) -> dict[int, Logprob]:
+    entry = {sampled: Logprob(-0.5, 1, chr(sampled))}
+    for rank, t in enumerate(alts, start=2):
+        entry[t] = Logprob(-0.5 * rank, rank, chr(t))
+    return entry
+
+
+def test_completion_logprobs_shape() -> None:
+    """Legacy logprobs: tokens, token_logprobs, top_logprobs and text offsets that accumulate."""
+    ids = [ord("a"), ord("b")]
+    lp, end = r.completion_logprobs(
+        ids, [None, _entry(ord("b"), ord("c"))], 1, text_offset=5, decode=chr
+    )
+    assert lp.tokens == ["a", "b"] and lp.text_offset == [5, 6] and end == 7
+    assert lp.token_logprobs == [None, -0.5]
+    assert lp.top_logprobs == [None, {"b": -0.5}]
+
+
+def test_chat_logprobs_shape() -> None:
+    """Chat logprobs: per token its logprob, UTF-8 bytes and the k most likely, best first."""
+    lp = r.chat_logprobs([ord("b")], [_entry(ord("b"), ord("c"), ord("d"))], 2, decode=chr)
+    assert lp.model_dump() == {
+        "content": [
+            {
+                "token": "b",
+                "logprob": -0.5,
+                "bytes": [98],
+                "top_logprobs": [
+                    {"token": "b", "logprob": -0.5, "bytes": [98]},
+                    {"token": "c", "logprob": -1.0, "bytes": [99]},
+                ],
+            }
+        ]
+    }
+
+
+def test_cursor_holds_back_a_possible_stop_string() -> None:
+    """While a sample runs, text that may start a stop string stays unsent; at the end all goes."""
+    cursor = r.SampleCursor(holdback=r.stop_holdback(["abc"]))
+    running = CompletionOutput(0, "xyzab", [1, 2, 3])
+    delta = cursor.advance(running)
+    assert delta is not None and delta.text == "xyz" and delta.token_ids == [1, 2, 3]
+    assert cursor.advance(running) is None
+    done = CompletionOutput(0, "xyzabd", [1, 2, 3, 4], finish_reason="length")
+    delta = cursor.advance(done)
+    assert delta is not None and delta.text == "abd" and delta.finish_reason == "length"
+    assert cursor.advance(done) is None
+
+
+def test_sse_chunk_shape() -> None:
+    """A chunk is `data: <json>\\n\\n` with OpenAI's keys; unset optional fields are omitted."""
+    chunk = r.CompletionChunk(
+        id="cmpl-1",
+        created=1,
+        model="m",
+        choices=[r.CompletionChoice(index=0, text="hi", logprobs=None, finish_reason=None)],
+    )
+    event = r.sse(chunk)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[6:]) == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}],
+    }
