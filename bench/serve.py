@@ -33,11 +33,22 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
+if not __package__:  # run as `python bench/serve.py`: make the `bench` folder importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.serve_metrics import (
+    DEFAULT_PERCENTILE,
+    RequestRecord,
+    check_slos,
+    compute_metrics,
+    format_offline_baseline,
+    format_table,
+    parse_goodput,
+    parse_percentiles,
+)
+
 ArrivalKind = Literal["poisson", "fixed"]
-SLO_METRICS = ("ttft", "tpot", "e2el")
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 FIRST_REGULAR_TOKEN_ID = 3  # ids 0-2 are special tokens in Baton's tiny tokenizer
-DEFAULT_PERCENTILE = 99.0
 
 
 @dataclass(frozen=True)
@@ -96,19 +107,6 @@ class SampledRequest:
 
 
 @dataclass
-class RequestRecord:
-    """What the client saw of one request; times in seconds, from when it was sent."""
-
-    prompt_len: int
-    success: bool = False
-    output_tokens: int = 0  # from the usage chunk, else the number of content chunks
-    ttft: float = 0.0
-    latency: float = 0.0  # E2EL: time of the last content chunk
-    itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
-    error: str | None = None
-
-
-@dataclass
 class BenchmarkResult:
     """A finished run: its configuration, the per-request records and the metrics."""
 
@@ -117,15 +115,6 @@ class BenchmarkResult:
     duration: float
     records: list[RequestRecord]
     metrics: dict[str, Any]
-
-
-def check_slos(slos_ms: Mapping[str, float]) -> None:
-    """Raises ValueError unless every SLO names a known metric and a positive bound in ms."""
-    for name, bound in slos_ms.items():
-        if name not in SLO_METRICS:
-            raise ValueError(f"unknown SLO metric {name!r}; choose from {', '.join(SLO_METRICS)}")
-        if not bound > 0:
-            raise ValueError(f"SLO {name} must be a positive number of ms, got {bound}")
 
 
 # ---------------------------------------------------------------- workload and arrivals
@@ -313,78 +302,6 @@ async def run_benchmark(
     return BenchmarkResult(config, model, duration, records, metrics)
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def percentile_label(p: float) -> str:
-    """`99` for 99.0, `99.9` for 99.9: the `p99` in `p99_ttft_ms`."""
-    return str(int(p)) if float(p).is_integer() else str(p)
-
-
-def compute_metrics(
-    records: Sequence[RequestRecord],
-    duration: float,
-    slos_ms: Mapping[str, float] | None = None,
-    percentiles: Sequence[float] = (DEFAULT_PERCENTILE,),
-) -> dict[str, Any]:
-    """The vLLM serving metrics of finished requests; latencies in ms, throughputs per second.
-
-    Pure: depends only on its arguments. Latency statistics of an empty set are 0, as in vLLM.
-    `request_goodput` is None when no SLO is given.
-    """
-    if duration <= 0:
-        raise ValueError(f"duration must be > 0, got {duration}")
-    slos_ms = dict(slos_ms or {})
-    check_slos(slos_ms)
-    done = [r for r in records if r.success]
-    failed = [r for r in records if not r.success]
-    # TPOT per request; vLLM scores a one-token request's TPOT as 0 against an SLO.
-    tpots = [
-        (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None for r in done
-    ]
-    samples_s: dict[str, list[float]] = {
-        "ttft": [r.ttft for r in done],
-        "tpot": [t for t in tpots if t is not None],
-        "itl": [gap for r in done for gap in r.itl],
-        "e2el": [r.latency for r in done],
-    }
-    total_input = sum(r.prompt_len for r in done)
-    total_output = sum(r.output_tokens for r in done)
-    metrics: dict[str, Any] = {
-        "duration": duration,
-        "completed": len(done),
-        "failed": len(failed),
-        "first_error": failed[0].error if failed else None,
-        "total_input_tokens": total_input,
-        "total_output_tokens": total_output,
-        "request_throughput": len(done) / duration,
-        "request_goodput": None,
-        "output_throughput": total_output / duration,
-        "total_token_throughput": (total_input + total_output) / duration,
-    }
-    if slos_ms:
-        good = sum(
-            1
-            for r, tpot in zip(done, tpots, strict=True)
-            if _meets_slos({"ttft": r.ttft, "tpot": tpot or 0.0, "e2el": r.latency}, slos_ms)
-        )
-        metrics["request_goodput"] = good / duration
-    for name in LATENCY_METRICS:
-        values_ms = np.asarray(samples_s[name], dtype=float) * 1000.0
-        if values_ms.size == 0:
-            values_ms = np.zeros(1)
-        metrics[f"mean_{name}_ms"] = float(np.mean(values_ms))
-        metrics[f"median_{name}_ms"] = float(np.median(values_ms))
-        metrics[f"std_{name}_ms"] = float(np.std(values_ms))
-        for p in percentiles:
-            metrics[f"p{percentile_label(p)}_{name}_ms"] = float(np.percentile(values_ms, p))
-    return metrics
-
-
-def _meets_slos(values_s: Mapping[str, float], slos_ms: Mapping[str, float]) -> bool:
-    return all(values_s[name] * 1000.0 <= bound for name, bound in slos_ms.items())
-
-
 # ---------------------------------------------------------------- offline baseline
 
 
@@ -407,82 +324,7 @@ def run_offline(
     return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
 
 
-# ---------------------------------------------------------------- report and CLI
-
-_WIDTH = 50
-
-
-def _banner(title: str, fill: str) -> str:
-    return f"{title:{fill}^{_WIDTH}}"
-
-
-def _row(label: str, value: object) -> str:
-    text = f"{value:.2f}" if isinstance(value, float) else str(value)
-    return f"{label:<40} {text:<10}"
-
-
-_SECTIONS = {
-    "ttft": ("Time to First Token", "TTFT"),
-    "tpot": ("Time per Output Token (excl. 1st token)", "TPOT"),
-    "itl": ("Inter-token Latency", "ITL"),
-    "e2el": ("End-to-end Latency", "E2EL"),
-}
-
-
-def format_table(result: BenchmarkResult) -> str:
-    """The human-readable report, laid out like `vllm bench serve`'s."""
-    m, c = result.metrics, result.config
-    lines = [
-        _banner(" Serving Benchmark Result ", "="),
-        _row("Model:", result.model),
-        _row("Traffic request rate:", "inf" if math.isinf(c.request_rate) else c.request_rate),
-        _row("Arrival process:", c.arrival),
-        _row("Maximum request concurrency:", c.max_concurrency or "none"),
-        _row("Successful requests:", m["completed"]),
-        _row("Failed requests:", m["failed"]),
-        _row("Benchmark duration (s):", m["duration"]),
-        _row("Total input tokens:", m["total_input_tokens"]),
-        _row("Total generated tokens:", m["total_output_tokens"]),
-        _row("Request throughput (req/s):", m["request_throughput"]),
-    ]
-    if m["request_goodput"] is not None:
-        lines.append(_row("Request goodput (req/s):", m["request_goodput"]))
-    lines += [
-        _row("Output token throughput (tok/s):", m["output_throughput"]),
-        _row("Total token throughput (tok/s):", m["total_token_throughput"]),
-    ]
-    for name, (title, short) in _SECTIONS.items():
-        lines.append(_banner(title, "-"))
-        lines.append(_row(f"Mean {short} (ms):", m[f"mean_{name}_ms"]))
-        lines.append(_row(f"Median {short} (ms):", m[f"median_{name}_ms"]))
-        for p in c.percentiles:
-            label = percentile_label(p)
-            lines.append(_row(f"P{label} {short} (ms):", m[f"p{label}_{name}_ms"]))
-    lines.append("=" * _WIDTH)
-    if m["first_error"]:
-        lines.append(f"First error: {m['first_error']}")
-    return "\n".join(lines)
-
-
-def parse_goodput(items: Sequence[str]) -> dict[str, float]:
-    """`["ttft:500", "tpot:50"]` -> {"ttft": 500.0, "tpot": 50.0}; ValueError on bad input."""
-    slos: dict[str, float] = {}
-    for item in items:
-        name, sep, value = item.partition(":")
-        if not sep:
-            raise ValueError(f"goodput SLO {item!r} is not KEY:MS, e.g. ttft:500")
-        try:
-            slos[name.strip().lower()] = float(value)
-        except ValueError:
-            raise ValueError(f"goodput SLO {item!r}: {value!r} is not a number of ms") from None
-    check_slos(slos)
-    return slos
-
-
-def parse_percentiles(items: Sequence[str]) -> tuple[float, ...]:
-    """`["50,90", "99"]` -> (50.0, 90.0, 99.0); p99 is always reported."""
-    values = {float(v) for item in items for v in item.split(",") if v.strip()}
-    return tuple(sorted(values | {DEFAULT_PERCENTILE}))
+# ---------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -572,11 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "output_throughput": offline_tput,
             "online_to_offline_ratio": ratio,
         }
-        print(_banner(" Offline Baseline (baton.LLM) ", "="))
-        print(_row("Offline output throughput (tok/s):", offline_tput))
-        print(_row("Online output throughput (tok/s):", result.metrics["output_throughput"]))
-        print(_row("Online / offline (goal >= 0.80 at 64):", ratio))
-        print("=" * _WIDTH)
+        print(format_offline_baseline(offline_tput, result.metrics["output_throughput"], ratio))
     if args.json is not None:
         args.json.write_text(json.dumps(result_to_json(result, offline), indent=2))
     return 1 if result.metrics["completed"] == 0 else 0

@@ -1,0 +1,140 @@
+"""The real engine server in a subprocess, for the end-to-end tests of the API server."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+MAX_MODEL_LEN = 1024
+NAME = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Child process ids of `pid`, from /proc (the EngineCore is one)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry.name))
+    return kids
+
+
+def engine_core_pid(server_pid: int) -> int:
+    """The EngineCore process of the server `server_pid`."""
+    for pid in _children(server_pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:  # not multiprocessing's resource tracker
+            return pid
+    raise AssertionError(f"no EngineCore child of {server_pid}")
+
+
+class Server:
+    """`python -m baton.engine.api.server` on a free port; its output goes to a log file."""
+
+    def __init__(self, model: Path, log: Path, *flags: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        cmd = [
+            sys.executable, "-m", "baton.engine.api.server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME,
+            "--disable-uvicorn-access-log", "--log-level", "WARNING", *flags,
+        ]  # fmt: skip
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        """SIGTERM (drain), then SIGKILL for the server and its children if it lingers."""
+        if self.proc.poll() is None:
+            kids = _children(self.proc.pid)
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+            for pid in kids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        """`name{other labels}` → value; the model_name and engine labels are checked, then
+        left out of the key."""
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        values = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            name, _, labels = key.partition("{")
+            pairs = [x for x in labels.rstrip("}").split(",") if x]
+            assert 'model_name="tiny"' in pairs and 'engine="0"' in pairs, line
+            rest = [x for x in pairs if x not in ('model_name="tiny"', 'engine="0"')]
+            values[f"{name}{{{','.join(rest)}}}"] = float(value)
+        return values
+
+
+def start_server(model: Path, tmp: Path, *flags: str) -> Server:
+    """A ready server with `flags`, logging under `tmp`; stopped again if it never gets ready."""
+    server = Server(model, tmp / f"server-{time.monotonic_ns()}.log", *flags)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def expect_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The `error` object of an OpenAI-shaped error response with `status`."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["object"] == "error" and body["error"]["code"] == status
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
