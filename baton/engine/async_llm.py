@@ -97,6 +97,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._tasks: list[asyncio.Task[None]] = []
         self._dead_callbacks: list[Any] = []
+        self._stats_listeners: list[Any] = []
         self._closing = False
 
     @classmethod
@@ -238,6 +239,8 @@ class AsyncLLM:
         while True:
             msg = p.output_decoder.decode(await self._output.recv())
             self.stats = msg.stats
+            for listener in self._stats_listeners:
+                listener(msg.stats)
             updates, to_abort = self.output_processor.process_outputs(
                 [p.from_wire(o) for o in msg.outputs]
             )
@@ -257,6 +260,11 @@ class AsyncLLM:
                     future.set_result(result.result)
 
     # ---- the core's death and shutdown ---------------------------------------------------
+
+    def add_stats_listener(self, listener: Any) -> None:
+        """`listener(stats)` runs for every message from the core (one per step, plus one after
+        inputs that changed the state without a step)."""
+        self._stats_listeners.append(listener)
 
     def add_dead_callback(self, callback: Any) -> None:
         """`callback(error)` runs once, in the event loop, when the core process dies."""

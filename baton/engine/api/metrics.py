@@ -70,7 +70,6 @@ class EngineMetrics:
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, engine: str) -> None:
         self.registry = CollectorRegistry()
         self._stats = stats
-        self._last_stats: EngineStats | None = None
         labels = [model_name, engine]
         self.registry.register(_EngineStatsCollector(stats, labels))
         reg = self.registry
@@ -118,17 +117,10 @@ class EngineMetrics:
             [float(b) for b in _ITERATION_TOKEN_BUCKETS],
         )
 
-    def sample_step(self) -> None:
-        """Observes the latest step's token count, once per step seen.
-
-        An approximation: the server looks at the stats when a request's output arrives, so a
-        step whose outputs no stream reads (or that produced none) is not observed.
-        """
-        stats = self._stats()
-        if stats is not self._last_stats:
-            self._last_stats = stats
-            if stats.step_tokens > 0:
-                self.iteration_tokens.observe(stats.step_tokens)
+    def observe_step(self, stats: EngineStats) -> None:
+        """Called for every message of the engine core: each carries one step's token count."""
+        if stats.step_tokens > 0:
+            self.iteration_tokens.observe(stats.step_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -148,7 +140,6 @@ class RequestTimer:
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
-        self.metrics.sample_step()
         num_tokens = sum(len(s.token_ids) for s in out.outputs)
         if num_tokens > self.num_tokens:
             if self.last_token_time is None:

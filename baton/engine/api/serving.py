@@ -45,6 +45,7 @@ class EngineServer:
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_path.name
         self.metrics = EngineMetrics(lambda: llm.stats, self.model_name, engine_label)
+        llm.add_stats_listener(self.metrics.observe_step)
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()

@@ -179,6 +179,9 @@ class FakeLLM:
         self.aborted: list[str] = []
         self.seen: list[tuple[str, list[int], SamplingParams]] = []
 
+    def add_stats_listener(self, listener: object) -> None:
+        pass
+
     async def generate(
         self,
         request_id: str,
