@@ -37,12 +37,9 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace) -> None:
-    import asyncio
+    from baton.engine.api.server import configs_from_args, serve
 
-    from baton.engine.api.server import configs_from_args, run_server
-
-    engine_args, server_config = configs_from_args(args)
-    sys.exit(asyncio.run(run_server(engine_args, server_config)))
+    sys.exit(serve(*configs_from_args(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -359,6 +359,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
     return engine, server
 
 
+def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
+    """Runs the server to the end on uvloop where it is installed; returns the exit code."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(run_server(engine_args, config))
+    return uvloop.run(run_server(engine_args, config))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="baton engine", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -367,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         engine_args, server_config = configs_from_args(args)
-        code = asyncio.run(run_server(engine_args, server_config))
+        code = serve(engine_args, server_config)
     except (ValueError, FileNotFoundError) as e:
         print(f"baton engine: error: {e}", file=sys.stderr)
         code = 2
