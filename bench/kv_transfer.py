@@ -1,0 +1,180 @@
+"""KV transfer benchmark: GB/s of the TCP block transport between two processes.
+
+Moves 1, 16, 256 and 4096 blocks of the ``small`` model's KV cache (4 layers, 4 KV heads, head_dim
+32, block 16, float32: 64 KiB per block) from a block server in a spawned child process into this
+process, and prints it beside (a) a raw loopback socket send of the same bytes (one ``sendall`` of a
+buffer into one ``recv_into``, same two processes, also one connection per transfer) and (b) a
+memcpy of the same bytes (torch ``copy_``), as ratios. Also reports the crc32/adler32 cost.
+Aim (issue 4): TCP >= 0.8x the raw socket for transfers of 1 MiB and more.
+
+    python bench/kv_transfer.py [--json out/kv_transfer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import struct
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from baton.kv_transfer.tcp import KVBlockServer, block_bytes, read_blocks
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 32, 16
+NUM_BLOCKS = 4096
+SIZES = (1, 16, 256, 4096)
+# Repeats per size: enough transfers to be timed well, few enough to finish in well under a minute.
+REPEATS = {1: 300, 16: 200, 256: 30, 4096: 5}
+ENGINE = "bench-engine"
+
+
+def make_cache() -> torch.Tensor:
+    # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    return torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
+def _child(port_q: Any, stop: Any) -> None:
+    """Block server plus a raw socket server over the same cache, until stop is set."""
+    cache = make_cache()
+    srv = KVBlockServer(cache, ENGINE)
+    for n in SIZES:
+        for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
+            srv.lease(f"{n}-{i}", list(range(n)), time.time() + 600)
+    kv_port = srv.start()
+    raw = socket.create_server(("127.0.0.1", 0))
+    raw.settimeout(0.1)
+    port_q.put((kv_port, raw.getsockname()[1]))
+    flat = memoryview(cache.view(-1).view(torch.uint8).numpy().data)
+    while not stop.is_set():
+        try:
+            conn, _ = raw.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            (nbytes,) = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))
+            conn.sendall(flat[:nbytes])
+            conn.recv(1)
+    raw.close()
+    srv.stop()
+
+
+def raw_read(port: int, view: memoryview) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(struct.pack("!Q", len(view)))
+        got = 0
+        while got < len(view):
+            k = sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("raw server closed early")
+            got += k
+        sock.sendall(b"\x01")
+
+
+def timed(fn: Any, repeats: int) -> float:
+    """Median seconds of fn() over repeats calls, after one warm-up."""
+    fn(-1)
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def checksum_cost(nbytes: int) -> dict[str, float]:
+    buf = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy().data)
+    out = {}
+    for fn in (zlib.crc32, zlib.adler32):
+        fn(buf)
+        start = time.perf_counter()
+        fn(buf)
+        out[fn.__name__ + "_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_child, args=(port_q, stop), daemon=True)
+    child.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        kv_port, raw_port = port_q.get(timeout=60)
+        local = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        src = make_cache()
+        bpb = block_bytes(local)
+        flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
+        for n in SIZES:
+            nbytes = n * bpb
+            ids = list(range(n))
+
+            def kv(i: int, n: int = n, ids: list[int] = ids) -> None:
+                rid = f"{n}-{i + 1}"
+                res = read_blocks(
+                    "127.0.0.1", kv_port, ENGINE, rid, ids, local, ids, time.monotonic() + 30
+                )
+                if not res.ok:
+                    raise RuntimeError(res.error)
+
+            def raw(i: int, nbytes: int = nbytes) -> None:
+                raw_read(raw_port, flat[:nbytes])
+
+            def memcpy(i: int, n: int = n) -> None:
+                local[:n].copy_(src[:n])
+
+            t_kv = timed(kv, REPEATS[n])
+            t_raw = timed(raw, REPEATS[n])
+            t_mem = timed(memcpy, REPEATS[n])
+            rows.append(
+                {
+                    "blocks": n,
+                    "bytes": nbytes,
+                    "tcp_gbps": nbytes / t_kv / 1e9,
+                    "raw_socket_gbps": nbytes / t_raw / 1e9,
+                    "memcpy_gbps": nbytes / t_mem / 1e9,
+                    "tcp_vs_raw": t_raw / t_kv,
+                    "tcp_vs_memcpy": t_mem / t_kv,
+                    "tcp_median_s": t_kv,
+                }
+            )
+    finally:
+        stop.set()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+
+    cost = checksum_cost(NUM_BLOCKS * 64 * 1024)
+    print(
+        f"{'blocks':>6} {'MiB':>8} {'tcp GB/s':>9} {'raw GB/s':>9} {'memcpy GB/s':>11} "
+        f"{'tcp/raw':>8} {'tcp/memcpy':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.3f} {r['tcp_gbps']:>9.2f} "
+            f"{r['raw_socket_gbps']:>9.2f} {r['memcpy_gbps']:>11.2f} {r['tcp_vs_raw']:>8.2f} "
+            f"{r['tcp_vs_memcpy']:>10.2f}"
+        )
+    print(f"checksum: crc32 {cost['crc32_gbps']:.2f} GB/s, adler32 {cost['adler32_gbps']:.2f} GB/s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "checksum": cost}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tests for baton.kv_transfer."""

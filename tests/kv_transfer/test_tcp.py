@@ -1,0 +1,380 @@
+"""Tests for the TCP KV block transport: byte-exact transfers and every failure as a result."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from baton.kv_transfer.tcp import (
+    _REPLY,
+    _REPLY_MAGIC,
+    _REQUEST,
+    KVBlockServer,
+    ReadResult,
+    Status,
+    _combine,
+    block_bytes,
+    coalesce,
+    read_blocks,
+)
+
+# [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+SHAPE = (12, 2, 2, 4, 2, 8)
+ENGINE = "engine-a"
+BB = 2 * 2 * 4 * 2 * 8 * 4  # block_bytes of a float32 SHAPE cache
+
+
+def make_cache(
+    dtype: torch.dtype = torch.float32, seed: int = 0, shape: tuple[int, ...] = SHAPE
+) -> torch.Tensor:
+    """Random bytes (NaNs included, so compare with as_bytes) viewed as dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    size = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * size), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def deadline(seconds: float = 5.0) -> float:
+    return time.monotonic() + seconds
+
+
+@pytest.fixture
+def server() -> Iterator[KVBlockServer]:
+    srv = KVBlockServer(make_cache(), ENGINE)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def read(
+    srv: KVBlockServer,
+    local: torch.Tensor,
+    request_id: str,
+    remote_ids: list[int],
+    local_ids: list[int],
+    engine: str = ENGINE,
+    seconds: float = 5.0,
+) -> ReadResult:
+    return read_blocks(
+        "127.0.0.1", srv.port, engine, request_id, remote_ids, local, local_ids, deadline(seconds)
+    )
+
+
+def wait_done(srv: KVBlockServer, timeout: float = 2.0) -> list[str]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done = srv.done_requests()
+        if done:
+            return done
+        time.sleep(0.005)
+    return []
+
+
+@pytest.mark.parametrize(
+    ("ids", "runs"),
+    [
+        ([], []),
+        ([5], [(5, 1)]),
+        ([1, 2, 3], [(1, 3)]),
+        ([1, 3, 4, 7], [(1, 1), (3, 2), (7, 1)]),
+        ([4, 5, 2, 3], [(4, 2), (2, 2)]),
+        ([3, 2, 1], [(3, 1), (2, 1), (1, 1)]),
+        ([0, 1, 1, 2], [(0, 2), (1, 2)]),
+    ],
+)
+def test_coalesce(ids: list[int], runs: list[tuple[int, int]]) -> None:
+    """coalesce() merges only ascending consecutive ids and keeps the given order."""
+    assert coalesce(ids) == runs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(
+    ("remote_ids", "local_ids"),
+    [
+        ([3], [9]),
+        ([0, 1, 2, 3], [4, 5, 6, 7]),
+        ([1, 5, 6, 10], [11, 0, 2, 3]),
+        (list(range(12)), list(reversed(range(12)))),
+    ],
+)
+def test_round_trip_byte_exact(
+    dtype: torch.dtype, remote_ids: list[int], local_ids: list[int]
+) -> None:
+    """Remote blocks land byte-exact in the chosen local blocks; every other local block is kept."""
+    remote = make_cache(dtype, seed=1)
+    local = make_cache(dtype, seed=2)
+    before = local.clone()
+    srv = KVBlockServer(remote, ENGINE)
+    srv.start()
+    try:
+        srv.lease("r1", remote_ids, time.time() + 30)
+        result = read(srv, local, "r1", remote_ids, local_ids)
+        assert result.ok, result.error
+        assert result.num_bytes == len(remote_ids) * block_bytes(remote)
+        for r, loc in zip(remote_ids, local_ids, strict=True):
+            assert torch.equal(as_bytes(local[loc]), as_bytes(remote[r]))
+        untouched = [b for b in range(SHAPE[0]) if b not in local_ids]
+        assert torch.equal(as_bytes(local[untouched]), as_bytes(before[untouched]))
+        assert wait_done(srv) == ["r1"]
+    finally:
+        srv.stop()
+
+
+def _serve_in_child(port_q: mp.Queue, stop: mp.Event, done_q: mp.Queue) -> None:
+    srv = KVBlockServer(make_cache(torch.float16, seed=7), "child-engine")
+    srv.lease("x", [2, 3, 4, 8], time.time() + 30)
+    port_q.put(srv.start())
+    stop.wait(20)
+    done_q.put(srv.done_requests())
+    srv.stop()
+
+
+def test_round_trip_across_processes() -> None:
+    """A server in a spawned process serves its blocks to a reader in this process."""
+    ctx = mp.get_context("spawn")
+    port_q, done_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_serve_in_child, args=(port_q, stop, done_q), daemon=True)
+    proc.start()
+    try:
+        port = port_q.get(timeout=30)
+        local = torch.zeros(SHAPE, dtype=torch.float16)
+        result = read_blocks(
+            "127.0.0.1", port, "child-engine", "x", [2, 3, 4, 8], local, [0, 1, 5, 6], deadline()
+        )
+        assert result.ok, result.error
+        expected = make_cache(torch.float16, seed=7)
+        assert torch.equal(as_bytes(local[[0, 1, 5, 6]]), as_bytes(expected[[2, 3, 4, 8]]))
+        time.sleep(0.1)
+        stop.set()
+        assert done_q.get(timeout=10) == ["x"]
+    finally:
+        stop.set()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_wrong_engine_id(server: KVBlockServer) -> None:
+    """A different engine_id (a restarted engine) is UNKNOWN_ENGINE and writes no bytes."""
+    server.lease("r", [0, 1], time.time() + 30)
+    local = make_cache(seed=3)
+    before = local.clone()
+    result = read(server, local, "r", [0, 1], [0, 1], engine="engine-old")
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("UNKNOWN_ENGINE")
+    assert result.num_bytes == 0
+    assert torch.equal(as_bytes(local), as_bytes(before))
+
+
+@pytest.mark.parametrize(
+    ("setup", "request_id", "ids", "code"),
+    [
+        (lambda s: None, "nobody", [0], "UNKNOWN_REQUEST"),
+        (lambda s: s.lease("r", [0, 1], time.time() - 1), "r", [0, 1], "EXPIRED"),
+        (
+            lambda s: (s.lease("r", [0], time.time() - 1), s.expire(time.time())),
+            "r",
+            [0],
+            "EXPIRED",
+        ),
+        (lambda s: s.lease("r", [0, 1], time.time() + 30), "r", [0, 2], "BAD_BLOCKS"),
+        (lambda s: s.lease("r", [0, 1], time.time() + 30), "r", [1, 500], "BAD_BLOCKS"),
+        (
+            lambda s: (s.lease("r", [0], time.time() + 30), s.release("r")),
+            "r",
+            [0],
+            "UNKNOWN_REQUEST",
+        ),
+    ],
+    ids=["unknown", "expired-unswept", "expired-swept", "not-leased", "out-of-range", "released"],
+)
+def test_server_error_codes(
+    server: KVBlockServer,
+    setup: Callable[[KVBlockServer], object],
+    request_id: str,
+    ids: list[int],
+    code: str,
+) -> None:
+    """Each refused read reports the server's status by name and writes nothing."""
+    setup(server)
+    local = make_cache(seed=3)
+    before = local.clone()
+    result = read(server, local, request_id, ids, list(range(len(ids))))
+    assert not result.ok and result.error is not None
+    assert result.error.split(":")[0] == code
+    assert torch.equal(as_bytes(local), as_bytes(before))
+
+
+def test_subset_of_lease_is_served(server: KVBlockServer) -> None:
+    """A reader may pull a subset of the leased blocks (it already holds a prefix)."""
+    server.lease("r", [0, 1, 2, 3], time.time() + 30)
+    local = torch.zeros(SHAPE)
+    assert read(server, local, "r", [2, 3], [0, 1]).ok
+
+
+def test_block_size_mismatch(server: KVBlockServer) -> None:
+    """Caches whose blocks differ in bytes fail clearly instead of misplacing bytes."""
+    server.lease("r", [0], time.time() + 30)
+    local = torch.zeros((4, 2, 2, 4, 2, 4))  # head_dim 4, half the server's block
+    result = read(server, local, "r", [0], [0])
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("BLOCK_SIZE_MISMATCH")
+
+
+def fake_server(behave: Callable[[socket.socket, list[int]], None]) -> tuple[int, threading.Thread]:
+    """One-connection server that parses the request then runs behave(conn, block_ids)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
+                _, elen, rlen, n, _ = _REQUEST.unpack(head)
+                body = conn.recv(elen + rlen + 4 * n, socket.MSG_WAITALL)
+                behave(conn, list(struct.unpack_from(f"!{n}I", body, elen + rlen)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return port, thread
+
+
+def test_short_read() -> None:
+    """A server that closes after half the payload gives SHORT_READ, not a hang."""
+    payload = bytes(range(256)) * (block_bytes(torch.zeros(SHAPE)) * 2 // 256)
+
+    def behave(conn: socket.socket, ids: list[int]) -> None:
+        conn.sendall(
+            _REPLY.pack(
+                _REPLY_MAGIC,
+                Status.OK,
+                len(payload) // 2,
+                len(payload),
+                _combine([zlib.crc32(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
+            )
+        )
+        conn.sendall(payload[: len(payload) // 2])
+
+    port, thread = fake_server(behave)
+    result = read_blocks(
+        "127.0.0.1", port, ENGINE, "r", [0, 1], torch.zeros(SHAPE), [0, 1], deadline()
+    )
+    thread.join(2)
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("SHORT_READ")
+    assert result.num_bytes == len(payload) // 2
+
+
+def test_corrupted_payload() -> None:
+    """Bytes that differ from the announced checksum give CHECKSUM_MISMATCH and no DONE."""
+    payload = bytes(range(256)) * (block_bytes(torch.zeros(SHAPE)) // 256)
+    got_done: list[bytes] = []
+
+    def behave(conn: socket.socket, ids: list[int]) -> None:
+        conn.sendall(
+            _REPLY.pack(
+                _REPLY_MAGIC,
+                Status.OK,
+                len(payload),
+                len(payload),
+                _combine([zlib.crc32(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
+            )
+        )
+        conn.sendall(payload[:-1] + b"\x00")
+        conn.settimeout(2)
+        got_done.append(conn.recv(1))
+
+    port, thread = fake_server(behave)
+    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], deadline())
+    thread.join(3)
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("CHECKSUM_MISMATCH")
+    assert got_done == [b""]  # the reader closed without DONE
+
+
+def test_silent_server_respects_deadline() -> None:
+    """A server that accepts and never answers makes the reader return by its deadline."""
+    release = threading.Event()
+    port, thread = fake_server(lambda conn, ids: release.wait(5))
+    start = time.monotonic()
+    end = start + 0.3
+    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], end)
+    release.set()
+    thread.join(2)
+    assert time.monotonic() < end + 0.5
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("DEADLINE")
+
+
+def test_deadline_already_passed(server: KVBlockServer) -> None:
+    """A deadline in the past fails at once without connecting."""
+    result = read_blocks(
+        "127.0.0.1", server.port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], time.monotonic() - 1
+    )
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("DEADLINE")
+
+
+def test_nothing_listening() -> None:
+    """A port with no listener gives CONNECT_FAILED as a result."""
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], deadline())
+    assert not result.ok and result.error is not None
+    assert result.error.startswith("CONNECT_FAILED")
+
+
+def test_done_releases_lease(server: KVBlockServer) -> None:
+    """After DONE the request is reported once by done_requests() and its lease is gone."""
+    server.lease("r", [4, 5], time.time() + 30)
+    local = torch.zeros(SHAPE)
+    assert read(server, local, "r", [4, 5], [0, 1]).ok
+    assert wait_done(server) == ["r"]
+    assert server.done_requests() == []
+    assert not server.release("r")
+    again = read(server, local, "r", [4, 5], [0, 1])
+    assert again.error is not None and again.error.startswith("UNKNOWN_REQUEST")
+
+
+def test_expire_returns_past_leases(server: KVBlockServer) -> None:
+    """expire(now) drops exactly the leases whose time passed."""
+    server.lease("old", [0], 100.0)
+    server.lease("new", [1], 300.0)
+    assert server.expire(200.0) == ["old"]
+    assert server.expire(200.0) == []
+    assert server.release("new")
+
+
+def test_lease_rejects_out_of_range(server: KVBlockServer) -> None:
+    """Leasing blocks the cache does not have is a ValueError for the engine."""
+    with pytest.raises(ValueError, match="out of range"):
+        server.lease("r", [0, SHAPE[0]], time.time() + 30)
+
+
+def test_stop_is_prompt_with_open_connections() -> None:
+    """stop() returns well within a second even with an idle reader connection open."""
+    srv = KVBlockServer(make_cache(), ENGINE)
+    port = srv.start()
+    idle = socket.create_connection(("127.0.0.1", port))
+    time.sleep(0.05)
+    start = time.monotonic()
+    srv.stop()
+    assert time.monotonic() - start < 1.0
+    idle.settimeout(1)
+    assert idle.recv(1) == b""  # the server side was closed
+    idle.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
