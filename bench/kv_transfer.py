@@ -3,8 +3,10 @@
 Moves 1, 16, 256 and 4096 blocks of the ``small`` model's KV cache (4 layers, 4 KV heads, head_dim
 32, block 16, float32: 64 KiB per block) from a block server in a spawned child process into this
 process, and prints it beside (a) a raw loopback socket send of the same bytes (one ``sendall`` of a
-buffer into one ``recv_into``, same two processes, also one connection per transfer) and (b) a
-memcpy of the same bytes (torch ``copy_``), as ratios. Also reports the crc32/adler32 cost.
+buffer into ``recv_into`` calls, same two processes) and (b) a memcpy of the same bytes (torch
+``copy_``), as ratios. Each size is timed cold (a new connection per transfer, for both the
+transport and the raw socket) and warm (the transport through a ``KVConnectionPool``, the raw
+socket over one already-open connection). Also reports the crc32/adler32 cost.
 Aim (issue 4): TCP >= 0.8x the raw socket for transfers of 1 MiB and more.
 
     python bench/kv_transfer.py [--json out/kv_transfer.json]
@@ -27,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from baton.kv_transfer.tcp import KVBlockServer, block_bytes, read_blocks
+from baton.kv_transfer.tcp import KVBlockServer, block_bytes
+from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 32, 16
 NUM_BLOCKS = 4096
@@ -47,8 +50,9 @@ def _child(port_q: Any, stop: Any) -> None:
     cache = make_cache()
     srv = KVBlockServer(cache, ENGINE)
     for n in SIZES:
-        for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
-            srv.lease(f"{n}-{i}", list(range(n)), time.time() + 600)
+        for mode in ("cold", "warm"):
+            for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
+                srv.lease(f"{mode}-{n}-{i}", list(range(n)), time.time() + 600)
     kv_port = srv.start()
     raw = socket.create_server(("127.0.0.1", 0))
     raw.settimeout(0.1)
@@ -59,26 +63,31 @@ def _child(port_q: Any, stop: Any) -> None:
             conn, _ = raw.accept()
         except TimeoutError:
             continue
-        with conn:
+        with conn:  # serves transfers on this connection until the client closes it
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            (nbytes,) = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))
-            conn.sendall(flat[:nbytes])
-            conn.recv(1)
+            while len(head := conn.recv(8, socket.MSG_WAITALL)) == 8:
+                (nbytes,) = struct.unpack("!Q", head)
+                conn.sendall(flat[:nbytes])
+                conn.recv(1)
     raw.close()
     srv.stop()
 
 
-def raw_read(port: int, view: memoryview) -> None:
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(struct.pack("!Q", len(view)))
-        got = 0
-        while got < len(view):
-            k = sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionError("raw server closed early")
-            got += k
-        sock.sendall(b"\x01")
+def raw_connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def raw_read(sock: socket.socket, view: memoryview) -> None:
+    sock.sendall(struct.pack("!Q", len(view)))
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("raw server closed early")
+        got += k
+    sock.sendall(b"\x01")
 
 
 def timed(fn: Any, repeats: int) -> float:
@@ -104,6 +113,61 @@ def checksum_cost(nbytes: int) -> dict[str, float]:
     return out
 
 
+def measure(
+    n: int,
+    mode: str,
+    kv_port: int,
+    raw_port: int,
+    local: torch.Tensor,
+    src: torch.Tensor,
+    flat: memoryview,
+) -> dict[str, Any]:
+    """One row: n blocks over new connections (cold) or over one kept open (warm)."""
+    nbytes = n * block_bytes(local)
+    ids = list(range(n))
+    pool = KVConnectionPool() if mode == "warm" else None
+    raw_sock = raw_connect(raw_port) if mode == "warm" else None
+
+    def kv(i: int) -> None:
+        rid = f"{mode}-{n}-{i + 1}"
+        res = read_blocks(
+            "127.0.0.1", kv_port, ENGINE, rid, ids, local, ids, time.monotonic() + 30, pool=pool
+        )
+        if not res.ok:
+            raise RuntimeError(res.error)
+
+    def raw(i: int) -> None:
+        if raw_sock is not None:
+            raw_read(raw_sock, flat[:nbytes])
+        else:
+            with raw_connect(raw_port) as sock:
+                raw_read(sock, flat[:nbytes])
+
+    def memcpy(i: int) -> None:
+        local[:n].copy_(src[:n])
+
+    try:
+        t_kv = timed(kv, REPEATS[n])
+        t_raw = timed(raw, REPEATS[n])
+    finally:
+        if pool is not None:
+            pool.close()
+        if raw_sock is not None:
+            raw_sock.close()  # before the next row: the raw server serves one connection at a time
+    t_mem = timed(memcpy, REPEATS[n])
+    return {
+        "blocks": n,
+        "bytes": nbytes,
+        "mode": mode,
+        "tcp_gbps": nbytes / t_kv / 1e9,
+        "raw_socket_gbps": nbytes / t_raw / 1e9,
+        "memcpy_gbps": nbytes / t_mem / 1e9,
+        "tcp_vs_raw": t_raw / t_kv,
+        "tcp_vs_memcpy": t_mem / t_kv,
+        "tcp_median_s": t_kv,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -118,41 +182,10 @@ def main() -> None:
         kv_port, raw_port = port_q.get(timeout=60)
         local = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         src = make_cache()
-        bpb = block_bytes(local)
         flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
         for n in SIZES:
-            nbytes = n * bpb
-            ids = list(range(n))
-
-            def kv(i: int, n: int = n, ids: list[int] = ids) -> None:
-                rid = f"{n}-{i + 1}"
-                res = read_blocks(
-                    "127.0.0.1", kv_port, ENGINE, rid, ids, local, ids, time.monotonic() + 30
-                )
-                if not res.ok:
-                    raise RuntimeError(res.error)
-
-            def raw(i: int, nbytes: int = nbytes) -> None:
-                raw_read(raw_port, flat[:nbytes])
-
-            def memcpy(i: int, n: int = n) -> None:
-                local[:n].copy_(src[:n])
-
-            t_kv = timed(kv, REPEATS[n])
-            t_raw = timed(raw, REPEATS[n])
-            t_mem = timed(memcpy, REPEATS[n])
-            rows.append(
-                {
-                    "blocks": n,
-                    "bytes": nbytes,
-                    "tcp_gbps": nbytes / t_kv / 1e9,
-                    "raw_socket_gbps": nbytes / t_raw / 1e9,
-                    "memcpy_gbps": nbytes / t_mem / 1e9,
-                    "tcp_vs_raw": t_raw / t_kv,
-                    "tcp_vs_memcpy": t_mem / t_kv,
-                    "tcp_median_s": t_kv,
-                }
-            )
+            for mode in ("cold", "warm"):
+                rows.append(measure(n, mode, kv_port, raw_port, local, src, flat))
     finally:
         stop.set()
         child.join(10)
@@ -161,12 +194,12 @@ def main() -> None:
 
     cost = checksum_cost(NUM_BLOCKS * 64 * 1024)
     print(
-        f"{'blocks':>6} {'MiB':>8} {'tcp GB/s':>9} {'raw GB/s':>9} {'memcpy GB/s':>11} "
+        f"{'blocks':>6} {'MiB':>8} {'conn':>5} {'tcp GB/s':>9} {'raw GB/s':>9} {'memcpy GB/s':>11} "
         f"{'tcp/raw':>8} {'tcp/memcpy':>10}"
     )
     for r in rows:
         print(
-            f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.3f} {r['tcp_gbps']:>9.2f} "
+            f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.3f} {r['mode']:>5} {r['tcp_gbps']:>9.2f} "
             f"{r['raw_socket_gbps']:>9.2f} {r['memcpy_gbps']:>11.2f} {r['tcp_vs_raw']:>8.2f} "
             f"{r['tcp_vs_memcpy']:>10.2f}"
         )
