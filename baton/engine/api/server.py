@@ -368,6 +368,16 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> int:
     return uvloop.run(run_server(engine_args, config))
 
 
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`baton engine`'s flags."""
+    add_server_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`baton engine`: serve until stopped; the exit code says how it ended."""
+    return serve(*configs_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="baton engine", description=__doc__)
     parser.add_argument("--log-level", default="INFO")

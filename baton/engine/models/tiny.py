@@ -8,6 +8,7 @@ model (llama, small) on disk.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -112,6 +113,20 @@ def write_tiny_model(
         {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": BOS_TOKEN_ID},
     )
     return out
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`baton tiny-model PATH [--arch A] [--size S] [--seed N]`."""
+    parser.add_argument("path")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = write_tiny_model(args.path, args.arch, args.size, seed=args.seed)
+    print(f"wrote a {args.size} {args.arch} model to {path}")
+    return 0
 
 
 def default_model_path() -> pathlib.Path:
