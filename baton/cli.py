@@ -1,5 +1,6 @@
 """The `baton` command: `baton serve` (router + engines on one machine), `baton engine` (one
-OpenAI-compatible engine server), `baton router`, `baton operator`, `baton tiny-model`, `baton demo`.
+OpenAI-compatible engine server), `baton router`, `baton operator`, `baton tiny-model`,
+`baton demo`.
 
 Each subcommand lives in the module that implements it, as a pair `add_args(parser)` and
 `run(args) -> int`; only the chosen one is imported, so `baton router` and `baton operator` never

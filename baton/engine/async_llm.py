@@ -99,6 +99,8 @@ class AsyncLLM:
         self._dead_callbacks: list[Any] = []
         self._stats_listeners: list[Any] = []
         self._closing = False
+        self.kv_transport: str | None = None  # the KV transport in use; None: no connector
+        self.kv_port: int | None = None
 
     @classmethod
     async def start(cls, args: EngineArgs) -> AsyncLLM:
@@ -151,6 +153,8 @@ class AsyncLLM:
         self.engine_pid = hello.pid
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
+        self.kv_transport = ready.kv_transport
+        self.kv_port = ready.kv_port
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_loop()))
         loop.add_reader(self.proc.sentinel, self._on_core_exit)
@@ -177,6 +181,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams cumulative snapshots of one request until it finishes.
 
@@ -201,7 +206,14 @@ class AsyncLLM:
         try:  # from the first send on: a cancellation anywhere after it must abort
             for child_id, params in children:
                 msg = p.AddRequest(
-                    child_id, packed, params, self.model_config.eos_token_ids, now, priority, group
+                    child_id,
+                    packed,
+                    params,
+                    self.model_config.eos_token_ids,
+                    now,
+                    priority,
+                    group,
+                    kv_transfer_params,
                 )
                 await self._input.send(p.encoder.encode(msg))
             while not finished:

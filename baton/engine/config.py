@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.scheduler.request_queue import POLICIES
 from baton.engine.worker.attention import ATTENTION_BACKENDS
+from baton.kv_transfer.base import KVTransferConfig
 
 _DEVICES = ("auto", "cpu", "cuda")
 
@@ -30,6 +31,8 @@ class EngineArgs:
     device: str = "auto"
     attention_backend: str | None = None  # default: triton on CUDA, torch elsewhere
     async_scheduling: bool = False  # schedule step N+1 while step N runs on the device
+    # Disaggregated serving: role, transport and leases. None: no KV connector (role "both").
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs"):

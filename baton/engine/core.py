@@ -15,6 +15,8 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
+from baton.kv_transfer.base import KVConnectorRole
+from baton.kv_transfer.connector import PullConnector
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,20 @@ class EngineCore:
             ),
         )
         self.last_step_tokens = 0  # tokens the last step computed (the iteration-tokens metric)
+        self.kv_changed = False  # a pull or lease ended since the flag was last cleared
         self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
         self.num_blocks = self._num_blocks(device)
-        self.runner.allocate_kv_cache(self.num_blocks)
+        kv_cache = self.runner.allocate_kv_cache(self.num_blocks)
+        # The connector's two halves: the scheduler's (bookkeeping) and the worker's (the
+        # transport, next to the KV tensor). One process holds both, as one GPU's engine does.
+        self.connector: PullConnector | None = None
+        self.connector_worker: PullConnector | None = None
+        if args.kv_transfer is not None:
+            kvt = args.kv_transfer
+            self.connector_worker = PullConnector(kvt, KVConnectorRole.WORKER, args.block_size)
+            self.connector_worker.register_kv_cache(kv_cache)
+            self.connector = PullConnector(kvt, KVConnectorRole.SCHEDULER, args.block_size)
+            self.connector.port = self.connector_worker.port
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -84,6 +97,7 @@ class EngineCore:
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
+            self.connector,
         )
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens, attention=%s",
@@ -129,12 +143,42 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def has_pending_transfers(self) -> bool:
+        """A pull or a lease is outstanding: the loop must keep polling even when idle."""
+        return self.connector_worker is not None and self.connector_worker.has_pending()
+
+    def poll_transfers(self) -> list[EngineCoreOutput]:
+        """Hands the scheduler half's instructions to the worker half and brings back what
+        ended: finished pulls, claimed and expired leases. Never blocks."""
+        if self.connector is None or self.connector_worker is None:
+            return []
+        meta = self.connector.build_connector_meta()
+        if meta:
+            self.connector_worker.start_load_kv(meta)
+        kv_output = self.connector_worker.get_finished()
+        if not kv_output and not self.connector.rejected:
+            return []
+        self.kv_changed = True
+        return self.scheduler.update_from_kv_output(kv_output)
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, update: one turn of the busy loop.
 
         With async scheduling one step stays in flight: step N+1 is scheduled and queued on the
         device before step N's tokens are read back, so the device never waits for Python.
         """
+        kv_outputs = self.poll_transfers()
+        outputs = self._step()
+        # Leases of requests that just finished and pulls just scheduled start now, not a
+        # step later: the client may hand the lease to a decode engine as soon as it hears.
+        kv_outputs += self.poll_transfers()
+        return kv_outputs + outputs if kv_outputs else outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         if not self.args.async_scheduling:

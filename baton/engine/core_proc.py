@@ -22,6 +22,10 @@ from baton.engine.request import Request
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_SECONDS = 1.0  # how often an idle loop checks that its API server is still alive
+# How often a loop with nothing to compute looks at KV leases (their expiry) and pulls (a
+# backstop: a finished pull also wakes it through the input queue).
+_TRANSFER_POLL_SECONDS = 0.05
+_WAKE = None  # put in the input queue to wake the loop; handled as "nothing"
 
 
 def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> None:
@@ -42,7 +46,7 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         handshake.send(p.encoder.encode(p.Failed(error=f"{type(e).__name__}: {e}")))
         handshake.close(linger=1000)
         return
-    inputs: queue.Queue[p.CoreInput] = queue.Queue()
+    inputs: queue.Queue[p.CoreInput | None] = queue.Queue()
     outputs: queue.Queue[p.CoreOutputs | None] = queue.Queue()
     threading.Thread(
         target=_input_thread, args=(ctx, config.input_address, inputs), daemon=True
@@ -51,11 +55,24 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         target=_output_thread, args=(ctx, config.output_address, outputs), daemon=True
     )
     sender.start()
-    handshake.send(
-        p.encoder.encode(p.Ready(core.num_blocks, core.max_model_len, str(core.model_path)))
+    worker = core.connector_worker
+    if worker is not None:
+        # A finished pull wakes the loop at once instead of at its next poll.
+        worker.wake = lambda: inputs.put(_WAKE)
+    transport = worker.transport.name if worker is not None and worker.transport else None
+    ready = p.Ready(
+        core.num_blocks,
+        core.max_model_len,
+        str(core.model_path),
+        transport,
+        worker.port if worker is not None else None,
     )
+    handshake.send(p.encoder.encode(ready))
     handshake.close(linger=1000)
-    BusyLoop(core, inputs, outputs, parent).run()
+    try:
+        BusyLoop(core, inputs, outputs, parent).run()
+    finally:
+        core.shutdown()
     outputs.put(None)
     sender.join(timeout=5)
 
@@ -88,20 +105,26 @@ class BusyLoop:
         self.parent_pid = parent_pid
         self.running = True
         self._results: list[p.UtilityResult] = []
+        self._nothing_to_compute = False
 
     def run(self) -> None:
         core = self.core
         while self.running:
             handled = False
-            if not core.has_unfinished_requests():
-                try:  # idle: block, but wake up now and then to notice an orphaned process
-                    self._handle(self.inputs.get(timeout=_IDLE_POLL_SECONDS))
+            transfers = core.has_pending_transfers()
+            # Idle, or only waiting on KV pulls: block rather than spin (a spinning loop takes
+            # the GIL and the CPU from the threads doing the pulls).
+            if not core.has_unfinished_requests() or (transfers and self._nothing_to_compute):
+                timeout = _TRANSFER_POLL_SECONDS if transfers else _IDLE_POLL_SECONDS
+                try:  # wake up now and then to notice an orphaned process or expired leases
+                    self._handle(self.inputs.get(timeout=timeout))
                     handled = True
                 except queue.Empty:
                     if os.getppid() != self.parent_pid:
                         logger.warning("API server is gone; exiting")
                         return
-                    continue
+                    if not transfers:
+                        continue
             while True:
                 try:
                     self._handle(self.inputs.get_nowait())
@@ -109,8 +132,14 @@ class BusyLoop:
                 except queue.Empty:
                     break
             stepped = core.has_unfinished_requests()
-            step_outputs = core.step() if stepped else []
-            if stepped or handled or self._results:
+            if stepped:
+                step_outputs = core.step()
+                self._nothing_to_compute = core.last_step_tokens == 0 and not step_outputs
+            else:
+                step_outputs = core.poll_transfers() if transfers else []
+                self._nothing_to_compute = False
+            kv_changed, core.kv_changed = core.kv_changed, False
+            if stepped or handled or self._results or kv_changed:
                 # Also after inputs alone (an abort of the last request): the server's gauges
                 # must see the cache go back to idle.
                 self.outputs.put(
@@ -122,8 +151,10 @@ class BusyLoop:
                 )
                 self._results = []
 
-    def _handle(self, msg: p.CoreInput) -> None:
+    def _handle(self, msg: p.CoreInput | None) -> None:
         core = self.core
+        if msg is _WAKE:
+            return
         if isinstance(msg, p.AddRequest):
             try:
                 core.add_request(
@@ -135,6 +166,7 @@ class BusyLoop:
                         arrival_time=msg.arrival_time,
                         priority=msg.priority,
                         group_id=msg.group_id,
+                        kv_transfer_params=msg.kv_transfer_params,
                     )
                 )
             except ValueError as e:  # the server checks first; this is the last line of defence
@@ -149,15 +181,20 @@ class BusyLoop:
         if call.method == "reset_prefix_cache":
             result = self.core.scheduler.reset_prefix_cache()
         elif call.method == "get_load":
-            result = self._stats(stepped=False)
+            result = self._stats(stepped=False, drain=False)
         elif call.method == "shutdown":
             self.running = False
         else:
             return p.UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         return p.UtilityResult(call.call_id, result=result)
 
-    def _stats(self, stepped: bool) -> p.EngineStats:
-        s = self.core.scheduler.make_stats()
+    def _stats(self, stepped: bool, drain: bool = True) -> p.EngineStats:
+        scheduler = self.core.scheduler
+        s = scheduler.make_stats()
+        transfers: list[tuple[int, float, str]] = []
+        if drain and scheduler.kv_transfer_results:
+            transfers = [(r.num_bytes, r.seconds, r.reason) for r in scheduler.kv_transfer_results]
+            scheduler.kv_transfer_results = []
         return p.EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -166,4 +203,7 @@ class BusyLoop:
             prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             step_tokens=self.core.last_step_tokens if stepped else 0,
+            kv_transfers=transfers,
+            kv_blocks_leased=s.kv_blocks_leased,
+            kv_leases_expired=s.kv_leases_expired,
         )

@@ -31,6 +31,8 @@ class _Parent:
     samples: dict[str, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
@@ -99,6 +101,10 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 sample.detok.flush()
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+                if out.kv_transfer_params is not None:
+                    parent.kv_transfer_params = out.kv_transfer_params
+                if out.error is not None:
+                    parent.error = out.error
             touched[parent.request_id] = parent
         updates = []
         for parent in touched.values():
@@ -148,4 +154,6 @@ class OutputProcessor:
             finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
             queue_time=parent.queue_time,
+            kv_transfer_params=parent.kv_transfer_params,
+            error=parent.error,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -38,3 +39,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled
+    # A prefill engine's answer: where the decode engine pulls this prompt's KV from.
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None  # the engine ended it (finish_reason "error"): why

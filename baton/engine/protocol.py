@@ -42,6 +42,8 @@ class Ready(msgspec.Struct, tag="ready"):
     num_blocks: int
     max_model_len: int
     model_path: str
+    kv_transport: str | None = None  # the KV transport in use (None: no connector)
+    kv_port: int | None = None
 
 
 class Failed(msgspec.Struct, tag="failed"):
@@ -61,6 +63,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     arrival_time: float
     priority: int = 0
     group_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -90,6 +93,10 @@ class EngineStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_tokens: int = 0  # tokens computed in the step that produced this message
+    # KV transfers that ended since the last message: (bytes, seconds, failure reason or "").
+    kv_transfers: list[tuple[int, float, str]] = []
+    kv_blocks_leased: int = 0
+    kv_leases_expired: int = 0  # cumulative
 
 
 class OutputWire(msgspec.Struct, array_like=True):
@@ -100,6 +107,8 @@ class OutputWire(msgspec.Struct, array_like=True):
     stop_reason: int | str | None
     num_cached_tokens: int
     queue_time: float | None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -123,6 +132,8 @@ def to_wire(out: EngineCoreOutput) -> OutputWire:
         out.stop_reason,
         out.num_cached_tokens,
         out.queue_time,
+        out.kv_transfer_params,
+        out.error,
     )
 
 
@@ -135,6 +146,8 @@ def from_wire(out: OutputWire) -> EngineCoreOutput:
         stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens,
         queue_time=out.queue_time,
+        kv_transfer_params=out.kv_transfer_params,
+        error=out.error,
     )
 
 

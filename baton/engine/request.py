@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from baton.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
-    WAITING_FOR_REMOTE_KVS = enum.auto()  # reserved for the KV connector
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # its prompt KV is being pulled from a prefill engine
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this line is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # ended by the engine (a failed KV load under policy "fail")
 
     @property
     def finished(self) -> bool:
@@ -31,6 +33,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -46,6 +49,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         group_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -57,6 +61,10 @@ class Request:
         # the prefix cache before the others look it up.
         self.group_id = group_id
         self.status = RequestStatus.WAITING
+        # The KV connector's instructions (do_remote_decode / do_remote_prefill and where).
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_load_tried = False  # a remote pull is tried once; a failure recomputes locally
+        self.error: str | None = None  # why the engine ended it (FINISHED_ERROR)
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
         # prompt + output; the model runner reads tokens [num_computed_tokens, num_tokens).

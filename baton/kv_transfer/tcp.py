@@ -13,6 +13,11 @@ Wire protocol, per connection (several reads may follow each other on one connec
     server -> client  on OK only: the raw bytes of each coalesced run, in the order asked
     client -> server  one DONE byte once everything arrived and the checksum matched
 
+A request with no block ids is a release: the reader will not read this lease (it failed, or it
+needs none of the blocks); the server drops the lease, reports it claimed, and replies OK with no
+payload. A lease being read is never expired under the read: ``expire`` skips it, and the read
+itself is bounded by the server's I/O timeout.
+
 The checksum is ``zlib.crc32``: one crc32 per block, and the header carries the crc32 of those
 per-block values (big-endian uint32, in the order asked). Per-block values let the server compute
 them when the lease is made, on a background thread, so for any subset or order of the leased
@@ -193,6 +198,7 @@ class KVBlockServer:
         self._leases: dict[str, _Lease] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._done: list[str] = []
+        self._reading: dict[str, int] = {}  # request id -> reads in progress
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
@@ -223,7 +229,11 @@ class KVBlockServer:
     def expire(self, now: float) -> list[str]:
         """Drops the leases whose time passed (expires_at < now) and returns their request ids."""
         with self._lock:
-            gone = [rid for rid, lease in self._leases.items() if lease.expires_at < now]
+            gone = [
+                rid
+                for rid, lease in self._leases.items()
+                if lease.expires_at < now and rid not in self._reading
+            ]
             for rid in gone:
                 del self._leases[rid]
                 self._expired[rid] = None
@@ -316,11 +326,32 @@ class KVBlockServer:
         engine_id = body[:engine_len].decode("utf-8", "replace")
         request_id = body[engine_len : engine_len + request_len].decode("utf-8", "replace")
         ids = list(struct.unpack_from(f"!{num_blocks}I", body, engine_len + request_len))
+        if not ids:
+            self._reply(conn, self._release_for_reader(engine_id, request_id))
+            return True
 
         status, lease = self._check(engine_id, request_id, ids, client_block_bytes)
         if lease is None:
             self._reply(conn, status)
             return True
+        try:
+            return self._send(conn, request_id, ids, lease)
+        finally:
+            with self._lock:
+                left = self._reading.pop(request_id) - 1
+                if left:
+                    self._reading[request_id] = left
+
+    def _release_for_reader(self, engine_id: str, request_id: str) -> Status:
+        if engine_id != self.engine_id:
+            return Status.UNKNOWN_ENGINE
+        with self._lock:
+            if self._leases.pop(request_id, None) is None:
+                return Status.UNKNOWN_REQUEST
+            self._done.append(request_id)
+        return Status.OK
+
+    def _send(self, conn: socket.socket, request_id: str, ids: list[int], lease: _Lease) -> bool:
         bpb = self._block_bytes
         # Not waiting on an unfinished background pass: it may be queued behind other leases.
         fut = lease.crcs
@@ -351,12 +382,14 @@ class KVBlockServer:
             if lease is None:
                 expired = request_id in self._expired
                 return (Status.EXPIRED if expired else Status.UNKNOWN_REQUEST), None
-        # Checked here too, not only in expire(): the engine sweeps once per step at best.
-        if lease.expires_at < self._clock():
-            return Status.EXPIRED, None
-        # A subset is fine: the reader may already hold a prefix of the prompt's blocks.
-        if not ids or not lease.block_ids.issuperset(ids):
-            return Status.BAD_BLOCKS, None
+            # Checked here too, not only in expire(): the engine sweeps once per step at best.
+            if lease.expires_at < self._clock():
+                return Status.EXPIRED, None
+            # A subset is fine: the reader may already hold a prefix of the prompt's blocks.
+            if not lease.block_ids.issuperset(ids):
+                return Status.BAD_BLOCKS, None
+            # From here until the read ends, expire() leaves this lease alone.
+            self._reading[request_id] = self._reading.get(request_id, 0) + 1
         return Status.OK, lease
 
     def _reply(self, conn: socket.socket, status: Status) -> None:

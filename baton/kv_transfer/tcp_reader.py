@@ -318,3 +318,49 @@ class _Read:
                     self.received += k
                 crcs.extend(zlib.crc32(view[b * bpb : (b + 1) * bpb]) for b in range(lo, hi))
         return crcs
+
+
+def release_lease(
+    host: str,
+    port: int,
+    engine_id: str,
+    request_id: str,
+    deadline: float,
+    *,
+    pool: KVConnectionPool | None = None,
+) -> str | None:
+    """Tells a block server that its lease under request_id will not be read, so it frees the
+    blocks now rather than at expiry. Returns None on success, else the error; never raises."""
+    engine_b, request_b = engine_id.encode(), request_id.encode()
+    request = _REQUEST.pack(_REQUEST_MAGIC, len(engine_b), len(request_b), 0, 0) + engine_b
+    request += request_b
+    sock = pool.take(host, port) if pool is not None else None
+    try:
+        if sock is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "DEADLINE: before connecting"
+            sock = socket.create_connection((host, port), timeout=left)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return "DEADLINE: before sending"
+        _set_io_timeout(sock, left)
+        sock.sendall(request)
+        head = b""
+        while len(head) < _REPLY.size:
+            chunk = sock.recv(_REPLY.size - len(head))
+            if not chunk:
+                return "SHORT_READ: connection closed before the reply"
+            head += chunk
+    except OSError as exc:
+        if sock is not None:
+            sock.close()
+        return f"{'DEADLINE' if _is_timeout(exc) else 'IO_ERROR'}: {exc}"
+    magic, status, _, _, _ = _REPLY.unpack(head)
+    if pool is not None and magic == _REPLY_MAGIC:
+        pool.give(host, port, sock)
+    else:
+        sock.close()
+    if magic != _REPLY_MAGIC:
+        return "PROTOCOL: bad reply magic"
+    return None if status == Status.OK else f"{Status(status).name}: release of {request_id!r}"

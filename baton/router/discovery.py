@@ -27,7 +27,9 @@ class Endpoint:
         if self.role not in ROLES:
             raise ValueError(f"engine role must be one of {ROLES}, got {self.role!r}")
         if not self.url.startswith(("http://", "https://")) or self.url.endswith("/"):
-            raise ValueError(f"engine URL must be http(s)://host:port without a trailing /: {self.url!r}")
+            raise ValueError(
+                f"engine URL must be http(s)://host:port without a trailing /: {self.url!r}"
+            )
 
 
 # Called with the complete current set every time it changes (not a diff), so a consumer that

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -28,7 +28,10 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                             50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# Transfer times from a small block run on loopback to a large prompt over a slow link.
+_KV_TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                        2.5, 5.0, 10.0, 30.0]  # fmt: skip
 _RUNNING_DOC = "Number of requests in model execution batches."
 _WAITING_DOC = "Number of requests waiting to be processed."
 _KV_USAGE_DOC = "KV-cache usage. 1 means 100 percent usage."
@@ -62,12 +65,33 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=_LABELS)
             counter.add_metric(self._labels, float(value))
             yield counter
+        leased = GaugeMetricFamily(
+            "baton:kv_blocks_leased",
+            "KV blocks held for decode engines to pull (prefill side).",
+            labels=_LABELS,
+        )
+        leased.add_metric(self._labels, float(s.kv_blocks_leased))
+        yield leased
+        expired = CounterMetricFamily(
+            "baton:kv_lease_expired",
+            "KV leases that expired before a decode engine claimed them.",
+            labels=_LABELS,
+        )
+        expired.add_metric(self._labels, float(s.kv_leases_expired))
+        yield expired
 
 
 class EngineMetrics:
     """The metrics of one engine server; `render()` is the body of `GET /metrics`."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str, engine: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        engine: str,
+        role: str = "both",
+        kv_transport: str | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self._stats = stats
         labels = [model_name, engine]
@@ -116,11 +140,38 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             [float(b) for b in _ITERATION_TOKEN_BUCKETS],
         )
+        info = Gauge(
+            "baton:engine_info",
+            "The engine's disaggregation role and KV transport (value 1).",
+            [*_LABELS, "role", "kv_transport"],
+            registry=reg,
+        )
+        info.labels(*labels, role, kv_transport or "none").set(1)
+        self.kv_transfer_bytes = counter(
+            "baton:kv_transfer_bytes", "Bytes of KV cache pulled from prefill engines."
+        )
+        self.kv_transfer_seconds = histogram(
+            "baton:kv_transfer_seconds",
+            "Time of each KV pull from a prefill engine, successful or not.",
+            _KV_TRANSFER_BUCKETS,
+        )
+        self._kv_failures = Counter(
+            "baton:kv_transfer_failures",
+            "KV pulls that failed, by reason (the request was recomputed or failed).",
+            [*_LABELS, "reason"],
+            registry=reg,
+        )
+        self._labels = labels
 
     def observe_step(self, stats: EngineStats) -> None:
         """Called for every message of the engine core: each carries one step's token count."""
         if stats.step_tokens > 0:
             self.iteration_tokens.observe(stats.step_tokens)
+        for num_bytes, seconds, reason in stats.kv_transfers:
+            self.kv_transfer_bytes.inc(num_bytes)
+            self.kv_transfer_seconds.observe(seconds)
+            if reason:
+                self._kv_failures.labels(*self._labels, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -350,7 +350,12 @@ def completion_response(
                 )
             )
     return CompletionResponse(
-        id=response_id, created=created, model=model, choices=choices, usage=usage_of(outputs)
+        id=response_id,
+        created=created,
+        model=model,
+        choices=choices,
+        usage=usage_of(outputs),
+        kv_transfer_params=outputs[0].kv_transfer_params if len(outputs) == 1 else None,
     )
 
 
@@ -386,6 +391,7 @@ def chat_response(
         choices=choices,
         usage=usage_of([out]),
         prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
+        kv_transfer_params=out.kv_transfer_params,
     )
 
 

@@ -34,6 +34,7 @@ from baton.engine.api.serving import EngineServer
 from baton.engine.api.streams import cancel_on_disconnect
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EngineArgs
+from baton.kv_transfer.base import FAILURE_POLICIES, ROLES, TRANSPORTS, KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,6 @@ class ServerConfig:
     engine_label: str = "0"  # the `engine` label of every metric
     uvicorn_log_level: str = "info"
     access_log: bool = True
-    role: str = "both"  # prefill and decode roles come with the KV connector
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -64,11 +64,6 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
-        if self.role != "both":
-            raise ValueError(
-                f"role must be 'both' (prefill and decode roles come with the KV connector), "
-                f"got {self.role!r}"
-            )
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -156,10 +151,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"model": p.ErrorResponse}})
     async def health() -> Response:
-        """200 while the engine serves; 503 when draining or the engine died."""
+        """200 with the engine's role and KV transport while it serves; 503 when draining or
+        the engine died."""
         if not server.healthy():
             return _error(p.APIError(503, "draining" if server.draining else "the engine is dead"))
-        return Response(status_code=200)
+        return JSONResponse(server.health())
 
     @app.get("/v1/models", response_model=r.ModelList)
     async def models() -> r.ModelList:
@@ -317,11 +313,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout)
     parser.add_argument("--uvicorn-log-level", default=s.uvicorn_log_level)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    k = KVTransferConfig
     parser.add_argument(
         "--role",
-        choices=["both"],
-        default=s.role,
-        help="prefill and decode roles come with the KV connector",
+        choices=ROLES,
+        default="both",
+        help="prefill: answers do_remote_decode requests and leases their KV; decode: pulls "
+        "KV for do_remote_prefill requests; both: serves alone (with --kv-transport, both)",
+    )
+    parser.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="how KV blocks move between engines (default tcp for prefill/decode roles; nixl "
+        "falls back to tcp, with a warning, when the nixl package cannot be imported)",
+    )
+    parser.add_argument("--kv-host", default=None, help="KV server bind address (default --host)")
+    parser.add_argument("--kv-port", type=int, default=k.port, help="KV server port (0: free)")
+    parser.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="address decode engines reach this engine's KV server at (default: --kv-host, or "
+        "127.0.0.1 when that is 0.0.0.0)",
+    )
+    parser.add_argument("--kv-lease-seconds", type=float, default=k.lease_seconds)
+    parser.add_argument("--kv-load-timeout", type=float, default=k.load_timeout)
+    parser.add_argument(
+        "--kv-load-failure-policy", choices=FAILURE_POLICIES, default=k.load_failure_policy
     )
 
 
@@ -344,6 +362,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         device=args.device,
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
+        kv_transfer=_kv_transfer_config(args),
     )
     server = ServerConfig(
         host=args.host,
@@ -354,9 +373,26 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         shutdown_timeout=args.shutdown_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
-        role=args.role,
     )
     return engine, server
+
+
+def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+    """The KV connector's config; None for an aggregated engine that asked for no transport."""
+    if args.role == "both" and args.kv_transport is None:
+        return None
+    host = args.kv_host or args.host
+    advertise = args.kv_advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
+    return KVTransferConfig(
+        role=args.role,
+        transport=args.kv_transport or "tcp",
+        host=host,
+        port=args.kv_port,
+        advertise_host=advertise,
+        lease_seconds=args.kv_lease_seconds,
+        load_timeout=args.kv_load_timeout,
+        load_failure_policy=args.kv_load_failure_policy,
+    )
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig) -> int:

@@ -21,6 +21,7 @@ from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
 from baton.engine.tokenizer import apply_chat_template
+from baton.kv_transfer.base import check_kv_transfer_params
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
@@ -44,7 +45,12 @@ class EngineServer:
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = llm.tokenizer
         self.model_name = served_model_name or llm.model_path.name
-        self.metrics = EngineMetrics(lambda: llm.stats, self.model_name, engine_label)
+        kv = llm.args.kv_transfer
+        self.role = kv.role if kv is not None else "both"
+        self.kv_role = kv.role if kv is not None else None  # None: no KV connector
+        self.metrics = EngineMetrics(
+            lambda: llm.stats, self.model_name, engine_label, self.role, llm.kv_transport
+        )
         llm.add_stats_listener(self.metrics.observe_step)
         self.draining = False
         self.num_in_flight = 0
@@ -94,6 +100,28 @@ class EngineServer:
     def healthy(self) -> bool:
         return self.llm.dead_error is None and not self.draining
 
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": self.model_name,
+            "role": self.role,
+            "kv_transport": self.llm.kv_transport,
+            "kv_port": self.llm.kv_port,
+        }
+
+    def _check_kv_transfer(self, params: dict[str, Any] | None, num_prompts: int, n: int) -> None:
+        try:
+            check_kv_transfer_params(params, self.kv_role)
+        except ValueError as e:
+            raise p.APIError(400, str(e), "kv_transfer_params") from None
+        handing_off = params and (params.get("do_remote_decode") or params.get("do_remote_prefill"))
+        if handing_off and (num_prompts > 1 or n > 1):
+            raise p.APIError(
+                400,
+                "kv_transfer_params hand off one prompt's KV: use one prompt and n=1",
+                "kv_transfer_params",
+            )
+
     # -- prompts --
 
     def _tokenize_prompt(
@@ -137,9 +165,18 @@ class EngineServer:
             )
             self._check_prompt(ids, "prompt")
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
+        self._check_kv_transfer(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit(req.model)
         streams = [
-            PromptStream(self.llm, self.metrics, f"cmpl-{rid}-{i}", prompt, params, req.priority)
+            PromptStream(
+                self.llm,
+                self.metrics,
+                f"cmpl-{rid}-{i}",
+                prompt,
+                params,
+                req.priority,
+                req.kv_transfer_params,
+            )
             for i, (prompt, params) in enumerate(inputs)
         ]
         response_id, created = f"cmpl-{rid}", int(time.time())
@@ -212,10 +249,17 @@ class EngineServer:
         )
         self._check_prompt(ids, "messages")
         params = req.to_sampling_params(max_tokens)
+        self._check_kv_transfer(req.kv_transfer_params, 1, req.n)
         release = self._admit(req.model)
         streams = [
             PromptStream(
-                self.llm, self.metrics, f"chatcmpl-{rid}", (None, ids), params, req.priority
+                self.llm,
+                self.metrics,
+                f"chatcmpl-{rid}",
+                (None, ids),
+                params,
+                req.priority,
+                req.kv_transfer_params,
             )
         ]
         response_id, created = f"chatcmpl-{rid}", int(time.time())

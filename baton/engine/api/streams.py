@@ -32,9 +32,17 @@ class PromptStream:
         prompt: tuple[str | None, list[int]],
         params: SamplingParams,
         priority: int,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         text, ids = prompt
-        gen = llm.generate(request_id, ids, params, prompt=text, priority=priority)
+        gen = llm.generate(
+            request_id,
+            ids,
+            params,
+            prompt=text,
+            priority=priority,
+            kv_transfer_params=kv_transfer_params,
+        )
         self._gen = cast("AsyncGenerator[RequestOutput, None]", gen)
         self._timer = RequestTimer(metrics, len(ids), params.n)
         self._closed = False
@@ -54,6 +62,8 @@ class PromptStream:
             raise p.APIError(503, str(e)) from None
         self._timer.on_output(out)
         self.last = out
+        if out.error is not None:  # the engine ended it (a failed KV load under policy "fail")
+            raise p.APIError(503, out.error)
         return out
 
     async def close(self) -> None:
@@ -97,8 +107,11 @@ async def collect(streams: list[PromptStream]) -> list[RequestOutput]:
             raise p.APIError(500, "the engine ended a request without output")
         return stream.last
 
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(run(s)) for s in streams]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(run(s)) for s in streams]
+    except* p.APIError as errors:  # the first one answers the client (the others were cancelled)
+        raise errors.exceptions[0] from None
     return [t.result() for t in tasks]
 
 

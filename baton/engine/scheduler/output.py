@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from baton.engine.sampling_params import SamplingParams
 
@@ -73,10 +74,13 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
+    # On the last output of a prefill request whose KV is leased to a decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None  # with finish_reason "error": the message for the client
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,8 @@ from baton.engine.scheduler.output import (
     SchedulerOutput,
 )
 from baton.engine.scheduler.request_queue import POLICIES, make_queue
+from baton.kv_transfer.base import KVConnectorOutput, TransferResult
+from baton.kv_transfer.connector import PullConnector
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +48,21 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
     step_tokens: list[int] = field(default_factory=list)
+    kv_blocks_leased: int = 0
+    kv_leases_expired: int = 0  # cumulative
 
 
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, within the KV memory there is."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        connector: PullConnector | None = None,
+    ) -> None:
         self.config = config
+        self.connector = connector
         self.kv = KVCacheManager(kv_cache_config)
         self.block_size = kv_cache_config.block_size
         self.requests: dict[str, Request] = {}
@@ -64,6 +74,14 @@ class Scheduler:
         # siblings wait a step so that they find the prompt blocks cached instead of recomputing.
         self._group_leaders: dict[str, Request] = {}
         self.num_preemptions = 0
+        # KV connector state. Requests whose prompt KV is being pulled (not in `waiting`);
+        # finished prefill requests whose blocks are leased to a decode engine (not in
+        # `requests`); aborted pulls whose blocks the loader may still be writing.
+        self.waiting_for_kvs: dict[str, Request] = {}
+        self.leased: dict[str, Request] = {}
+        self._free_after_load: dict[str, Request] = {}
+        self.kv_transfer_results: list[TransferResult] = []  # drained by the engine's stats
+        self.num_leases_expired = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -91,23 +109,29 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # The loader may still be writing into its blocks: free them once it reports.
+                del self.waiting_for_kvs[req_id]
+                self._free_after_load[req_id] = request
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv.free(request)
+        req_id = request.request_id
+        if req_id not in self.leased and req_id not in self._free_after_load:
+            self.kv.free(request)
         if self._group_leaders.get(request.group_id or "") is request:
             del self._group_leaders[request.group_id or ""]
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kvs)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.waiting_for_kvs)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -219,6 +243,12 @@ class Scheduler:
             num_hit = 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
+                if self.connector is not None and not request.kv_load_tried:
+                    parked = self._start_remote_load(request, hits, num_hit)
+                    if parked is None:
+                        break  # no room for its blocks yet
+                    if parked:
+                        continue
             num_new = self._num_new_tokens(request, budget, num_hit)
             # allocate_slots counts the hits on top of num_computed_tokens, so that only advances
             # once allocation succeeded (advancing it first counted every hit twice and
@@ -226,7 +256,7 @@ class Scheduler:
             blocks = self.kv.allocate_slots(request, num_new, hits) if num_new > 0 else None
             if blocks is None:
                 break
-            request.num_computed_tokens = num_hit
+            request.num_computed_tokens += num_hit
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -255,7 +285,7 @@ class Scheduler:
                         prompt_token_ids=request.prompt_token_ids,
                         sampling_params=request.sampling_params,
                         block_ids=block_ids,
-                        num_computed_tokens=num_hit,
+                        num_computed_tokens=request.num_computed_tokens,
                     )
                 )
             request.status = RequestStatus.RUNNING
@@ -264,6 +294,92 @@ class Scheduler:
             budget -= num_new
         for request in reversed(deferred):
             self.waiting.prepend(request)
+
+    def _start_remote_load(
+        self, request: Request, hits: list[KVCacheBlock], num_hit: int
+    ) -> bool | None:
+        """Parks a decode request in WAITING_FOR_REMOTE_KVS with blocks for its remote prompt KV.
+
+        True: parked; False: nothing to load, schedule it as usual; None: its blocks do not fit.
+        """
+        assert self.connector is not None
+        num_external = self.connector.get_num_new_matched_tokens(request, num_hit)
+        if num_external == 0:
+            request.kv_load_tried = True
+            self.connector.update_state_after_alloc(request, [], num_hit, 0)
+            return False
+        if self.kv.allocate_slots(request, num_external, hits) is None:
+            return None
+        request.kv_load_tried = True
+        request.num_computed_tokens = num_hit
+        self.waiting.pop()
+        request.num_cached_tokens = num_hit
+        request.first_scheduled_time = time.time()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kvs[request.request_id] = request
+        block_ids = self.kv.block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_hit, num_external)
+        return True
+
+    def update_from_kv_output(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Continues requests whose pulls ended and frees blocks whose leases ended.
+
+        A pulled request goes back to the front of `waiting` with all but its last prompt token
+        computed. A failed pull follows the request's failure policy: "recompute" starts it over
+        locally (its pulled blocks are dropped, since their contents are unknown); "fail" ends
+        it with an error for the client.
+        """
+        outputs: list[EngineCoreOutput] = []
+        connector = self.connector
+        assert connector is not None
+        results = output.finished_loads
+        if connector.rejected:
+            results = [*connector.rejected, *results]
+            connector.rejected = []
+        self.kv_transfer_results.extend(results)
+        for result in results:
+            aborted = self._free_after_load.pop(result.req_id, None)
+            if aborted is not None:
+                self.kv.free(aborted)
+                continue
+            request = self.waiting_for_kvs.pop(result.req_id, None)
+            if result.ok and request is not None:
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+                self.kv.cache_blocks(request)
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+                continue
+            if request is None:
+                continue  # a rejected one: it never left `waiting` and is recomputed as usual
+            logger.warning("KV load for %s failed: %s", result.req_id, result.error)
+            if connector.failure_policy(request) == "fail":
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"KV cache transfer from the prefill engine failed: {result.error}"
+                outputs.append(
+                    EngineCoreOutput(
+                        request.request_id, [], finish_reason="error", error=request.error
+                    )
+                )
+                self._free_request(request)
+            else:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+        for req_id in output.claimed_leases:
+            self._end_lease(req_id)
+        for req_id in output.expired_leases:
+            logger.info("KV lease of %s expired unclaimed; freeing its blocks", req_id)
+            self.num_leases_expired += 1
+            self._end_lease(req_id)
+        return outputs
+
+    def _end_lease(self, req_id: str) -> None:
+        request = self.leased.pop(req_id, None)
+        if request is not None:
+            self.kv.free(request)
+        if self.connector is not None:
+            self.connector.lease_ended(req_id)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -309,6 +425,13 @@ class Scheduler:
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.append_output_token(token)
             self._check_stop(request, token)
+            kv_params = None
+            if request.is_finished() and self.connector is not None:
+                kv_params = self.connector.request_finished(
+                    request, self.kv.block_ids(request.request_id)
+                )
+                if kv_params is not None:
+                    self.leased[req_id] = request
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -319,6 +442,7 @@ class Scheduler:
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
+                    kv_transfer_params=kv_params,
                 )
             )
             if request.is_finished():
@@ -363,6 +487,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
+            kv_blocks_leased=(
+                sum(self.connector.num_leased_blocks.values()) if self.connector else 0
+            ),
+            kv_leases_expired=self.num_leases_expired,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -16,6 +16,7 @@ import pytest
 
 from baton.engine.api import protocol as p
 from baton.engine.api.server import ServerConfig, build_app
+from baton.engine.config import EngineArgs
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
@@ -174,6 +175,9 @@ class FakeLLM:
         self.model_config = SimpleNamespace(vocab_size=512, eos_token_ids=())
         self.model_path = Path("/models/fake-model")
         self.max_model_len = 64
+        self.args = EngineArgs()
+        self.kv_transport: str | None = None
+        self.kv_port: int | None = None
         self.stats = EngineStats()
         self.dead_error: Exception | None = None
         self.aborted: list[str] = []
@@ -189,6 +193,7 @@ class FakeLLM:
         sampling_params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        kv_transfer_params: dict | None = None,
     ) -> AsyncIterator[RequestOutput]:
         check_prompt_token_ids(prompt_token_ids, self.max_model_len, 512)
         self.seen.append((request_id, prompt_token_ids, sampling_params))

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from baton.engine.api.server import ServerConfig, add_server_args, configs_from_args
+from baton.engine.api.server import add_server_args, configs_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -16,19 +16,40 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_flags_reach_the_configs() -> None:
-    """Server flags land in `ServerConfig`, engine flags in `EngineArgs`; role defaults to both."""
+    """Server flags land in `ServerConfig`, engine flags in `EngineArgs`; an aggregated engine
+    without --kv-transport has no KV connector."""
     engine, server = configs_from_args(
         _parse("--port", "9001", "--max-waiting-requests", "4", "--max-num-seqs", "8")
     )
-    assert (server.port, server.max_waiting_requests, server.role) == (9001, 4, "both")
+    assert (server.port, server.max_waiting_requests) == (9001, 4)
     assert engine.max_num_seqs == 8
-    _, server = configs_from_args(_parse("--role", "both"))
-    assert server.role == "both"
+    assert engine.kv_transfer is None
 
 
-def test_only_the_both_role_exists_for_now() -> None:
-    """Prefill and decode roles come with the KV connector: the flag and the config refuse them."""
+def test_role_flags_make_the_kv_transfer_config() -> None:
+    """--role and --kv-* land in `KVTransferConfig`; 0.0.0.0 advertises loopback unless told."""
+    engine, _ = configs_from_args(
+        _parse("--role", "prefill", "--host", "0.0.0.0", "--kv-port", "14579",
+               "--kv-lease-seconds", "5", "--kv-load-failure-policy", "fail")
+    )  # fmt: skip
+    kv = engine.kv_transfer
+    assert kv is not None
+    assert (kv.role, kv.transport, kv.host, kv.port) == ("prefill", "tcp", "0.0.0.0", 14579)
+    assert (kv.public_host, kv.lease_seconds, kv.load_failure_policy) == ("127.0.0.1", 5.0, "fail")
+    engine, _ = configs_from_args(
+        _parse("--role", "decode", "--kv-advertise-host", "10.0.0.7", "--kv-transport", "nixl")
+    )
+    assert engine.kv_transfer is not None
+    assert (engine.kv_transfer.public_host, engine.kv_transfer.transport) == ("10.0.0.7", "nixl")
+    engine, _ = configs_from_args(_parse("--kv-transport", "tcp"))
+    assert engine.kv_transfer is not None and engine.kv_transfer.role == "both"
+
+
+def test_bad_kv_flags_fail() -> None:
+    """Unknown roles and policies are refused by the parser; nonsense numbers by the config."""
     with pytest.raises(SystemExit):
-        _parse("--role", "prefill")
-    with pytest.raises(ValueError, match="role must be 'both'"):
-        ServerConfig(role="decode")
+        _parse("--role", "prefiller")
+    with pytest.raises(SystemExit):
+        _parse("--kv-load-failure-policy", "ignore")
+    with pytest.raises(ValueError, match="lease seconds"):
+        configs_from_args(_parse("--role", "prefill", "--kv-lease-seconds", "0"))

@@ -1,0 +1,322 @@
+"""The KV connector contract: one abstract class with a scheduler half and a worker half, the
+plain records that pass between them, and the transport interface that moves the bytes.
+
+The flow (ARCHITECTURE.md, "The request's path"):
+
+- prefill engine: a request with ``kv_transfer_params.do_remote_decode`` finishes; the scheduler
+  half keeps its blocks (``request_finished`` says "delay the free") and puts a ``LeaseSpec`` in
+  the step's metadata; the worker half offers those blocks to readers until a reader says DONE or
+  the lease expires, and reports both in ``KVConnectorOutput``; the scheduler then frees them.
+- decode engine: a request with ``do_remote_prefill`` asks ``get_num_new_matched_tokens`` how many
+  prompt tokens can come from the remote engine; the scheduler allocates local blocks, calls
+  ``update_state_after_alloc`` and parks the request in WAITING_FOR_REMOTE_KVS; the scheduler half
+  puts a ``LoadSpec`` in the metadata; the worker half pulls in the background and reports the
+  result; the scheduler continues the request (or applies its failure policy).
+
+Everything the scheduler half does is bookkeeping: no I/O, no blocking. Everything that can
+block (sockets, NIXL) runs on the worker half's threads, bounded by deadlines.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+TRANSPORTS = ("tcp", "nixl")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+class KVConnectorRole(enum.Enum):
+    """Which half of the connector an instance serves."""
+
+    SCHEDULER = "scheduler"  # in the busy loop, with the scheduler
+    WORKER = "worker"  # next to the KV tensor
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """The engine's KV-transfer settings (flags ``--role``, ``--kv-*``)."""
+
+    role: Role = "both"
+    transport: str = "tcp"
+    host: str = "127.0.0.1"  # where the block server listens
+    port: int = 0  # 0: a free port
+    advertise_host: str | None = None  # what readers connect to; default: host
+    lease_seconds: float = 30.0
+    load_timeout: float = 10.0  # a pull not done by then has failed
+    load_failure_policy: str = "recompute"
+    # New at every engine start, so that a reader never mistakes a restarted engine's memory
+    # for the one it was told about.
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+                f"got {self.load_failure_policy!r}"
+            )
+        if not self.lease_seconds > 0:
+            raise ValueError(f"kv lease seconds must be > 0, got {self.lease_seconds}")
+        if not self.load_timeout > 0:
+            raise ValueError(f"kv load timeout must be > 0, got {self.load_timeout}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"kv port must be in [0, 65536), got {self.port}")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host
+
+
+def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = params.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"kv_transfer_params.{name} is missing or not a {_kind_name(kind)}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode request's prompt KV lies: the prefill engine's answer, parsed."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+    block_ids: list[int]
+    num_prompt_tokens: int
+    lease_expires_at: float  # Unix time, seconds
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemotePrefill:
+        """Raises ValueError naming the field when ``params`` is not a prefill answer."""
+        block_ids = _field(params, "remote_block_ids", list)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+            raise ValueError("kv_transfer_params.remote_block_ids must be non-negative integers")
+        port = _field(params, "remote_port", int)
+        if not 0 < port < 65536:
+            raise ValueError(f"kv_transfer_params.remote_port {port} is not a TCP port")
+        expires = float(_field(params, "lease_expires_at", (int, float)))
+        if not math.isfinite(expires):
+            raise ValueError("kv_transfer_params.lease_expires_at must be a finite number")
+        return cls(
+            engine_id=_field(params, "remote_engine_id", str),
+            host=_field(params, "remote_host", str),
+            port=port,
+            request_id=_field(params, "remote_request_id", str),
+            block_ids=block_ids,
+            num_prompt_tokens=_field(params, "num_prompt_tokens", int),
+            lease_expires_at=expires,
+        )
+
+
+def check_kv_transfer_params(params: dict[str, Any] | None, role: Role | None) -> None:
+    """What the API server checks before accepting a request: raises ValueError with a message
+    for the client. ``role`` is the engine's (None: the engine has no connector)."""
+    if not params:
+        return
+    remote_decode = params.get("do_remote_decode") is True
+    remote_prefill = params.get("do_remote_prefill") is True
+    if remote_decode and remote_prefill:
+        raise ValueError(
+            "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill"
+        )
+    policy = params.get("kv_load_failure_policy")
+    if policy is not None and policy not in FAILURE_POLICIES:
+        raise ValueError(
+            f"kv_transfer_params.kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+            f"got {policy!r}"
+        )
+    if remote_decode and role not in ("prefill", "both"):
+        raise ValueError(
+            f"do_remote_decode needs an engine of role prefill or both; this engine's role is "
+            f"{role or 'both, without a KV transport'}"
+        )
+    if remote_prefill:
+        if role not in ("decode", "both"):
+            raise ValueError(
+                f"do_remote_prefill needs an engine of role decode or both; this engine's role "
+                f"is {role or 'both, without a KV transport'}"
+            )
+        RemotePrefill.parse(params)
+
+
+# ---- what passes from the scheduler half to the worker half --------------------------------
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Pull ``remote_block_ids`` of a remote engine into ``local_block_ids`` (same order)."""
+
+    req_id: str
+    remote: RemotePrefill
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    timeout: float  # seconds from when the worker starts the pull
+
+
+@dataclass(frozen=True)
+class LeaseSpec:
+    """Offer ``block_ids`` to remote readers under ``req_id`` until ``expires_at`` (Unix time)."""
+
+    req_id: str
+    block_ids: list[int]
+    expires_at: float
+
+
+@dataclass
+class KVConnectorMetadata:
+    """The scheduler half's instructions for one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    leases: list[LeaseSpec] = field(default_factory=list)
+    # Remote leases this engine will not read (its prefix cache already held the prompt): the
+    # worker tells the prefill engine, so that it frees the blocks now instead of at expiry.
+    releases: list[RemotePrefill] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.leases or self.releases)
+
+
+# ---- what passes back ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """How one pull ended. ``reason`` is a short code for metrics (``UNKNOWN_ENGINE``,
+    ``EXPIRED``, ``CHECKSUM_MISMATCH``, ``DEADLINE``, ``CONNECT_FAILED`` ...), ``error`` the
+    whole message."""
+
+    req_id: str
+    ok: bool
+    error: str | None = None
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def reason(self) -> str:
+        if self.ok or not self.error:
+            return ""
+        return self.error.split(":", 1)[0]
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half reports after a step: pulls that ended, leases that ended."""
+
+    finished_loads: list[TransferResult] = field(default_factory=list)
+    claimed_leases: list[str] = field(default_factory=list)  # a reader finished (or released)
+    expired_leases: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.finished_loads or self.claimed_leases or self.expired_leases)
+
+
+# ---- transports ------------------------------------------------------------------------------
+
+
+class KVTransport(Protocol):
+    """Moves blocks of one engine's KV tensor ``[num_blocks, ...]`` to and from peers.
+
+    Serving side (prefill): ``lease``/``finished_leases`` are called from the busy loop and must
+    not block. Reading side (decode): ``read`` and ``release_remote`` block and are called on the
+    connector's loader threads; they return failures as results and never raise.
+    """
+
+    name: str
+
+    def start(self, kv_cache: torch.Tensor) -> int:
+        """Registers the KV tensor, starts serving, returns the port readers connect to."""
+        ...
+
+    def lease(self, req_id: str, block_ids: list[int], expires_at: float) -> None: ...
+
+    def finished_leases(self, now: float) -> tuple[list[str], list[str]]:
+        """(claimed since the last call, expired now); both are gone from the transport."""
+        ...
+
+    def read(self, spec: LoadSpec, deadline: float) -> TransferResult:
+        """Pulls ``spec`` into the local tensor by ``deadline`` (``time.monotonic()``)."""
+        ...
+
+    def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
+        """Tells the prefill engine to drop a lease this engine will not read (best effort)."""
+        ...
+
+    def stop(self) -> None: ...
+
+
+# ---- the connector ---------------------------------------------------------------------------
+
+
+class KVConnectorBase(abc.ABC):
+    """One class, two halves; an instance serves the half its ``role`` names.
+
+    Scheduler-half methods are called from the busy loop only, must not block and do no I/O.
+    Worker-half methods are called from the busy loop too, but own the transport's threads.
+    """
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:
+        self.config = config
+        self.role = role
+
+    # ======================== scheduler half ========================
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Prompt tokens after the ``num_computed_tokens`` local hits that can be loaded from a
+        remote engine (0: none). Side-effect free; called each time the request is considered."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external: int
+    ) -> None:
+        """Called once the scheduler allocated local blocks for ``num_external`` remote tokens
+        (``num_external`` 0: nothing will be loaded; the remote lease may be released)."""
+
+    @abc.abstractmethod
+    def request_finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
+        """Called once when a request finishes. Returns the ``kv_transfer_params`` for the client
+        when the blocks are kept for a remote reader: the scheduler then must not free them until
+        the worker reports the lease claimed or expired. None: free them now."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """The instructions gathered since the last call, for the worker half; resets them."""
+
+    # ========================= worker half ==========================
+
+    @abc.abstractmethod
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Called once, after the KV tensor is allocated and before the first step."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Starts the step's pulls and leases; must not block (pulls run in the background)."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Pulls and leases that ended since the last call. Must not block."""
+
+    def has_pending(self) -> bool:
+        """Whether a pull or a lease is outstanding (the busy loop then keeps polling)."""
+        return False
+
+    def shutdown(self) -> None:  # noqa: B027 - an optional hook
+        """Stops the transport's threads; pulls in progress fail."""

@@ -1,0 +1,250 @@
+"""The pull connector: Baton's one KV connector, over a pluggable transport (TCP or NIXL).
+
+The prefill side leases a finished request's prompt blocks; the decode side pulls them and tells
+the prefill side it is done. Which transport moves the bytes is the worker half's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from baton.kv_transfer.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferConfig,
+    KVTransport,
+    LeaseSpec,
+    LoadSpec,
+    RemotePrefill,
+    TransferResult,
+)
+
+logger = logging.getLogger(__name__)
+
+# Concurrent pulls per engine: each mostly waits on a socket, so a few threads keep the link busy
+# without crowding the busy loop off the two cores of a small machine.
+_LOADER_THREADS = 4
+_RELEASE_TIMEOUT_S = 2.0
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
+
+
+def make_transport(config: KVTransferConfig) -> KVTransport:
+    """The transport the config names. NIXL falls back to TCP, with a warning, when the `nixl`
+    package cannot be imported."""
+    if config.transport == "nixl":
+        try:
+            from baton.kv_transfer.nixl import NixlTransport
+
+            return NixlTransport(config)
+        except ImportError as exc:
+            logger.warning("NIXL is not available (%s); using the TCP transport", exc)
+    from baton.kv_transfer.tcp_transport import TCPTransport
+
+    return TCPTransport(config)
+
+
+class PullConnector(KVConnectorBase):
+    """Leases on the prefill side, background pulls on the decode side."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        block_size: int,
+        transport: KVTransport | None = None,
+    ) -> None:
+        super().__init__(config, role)
+        self.block_size = block_size
+        # ---- scheduler half
+        self.port = config.port  # the transport's port; the core sets it once it is known
+        self._meta = KVConnectorMetadata()
+        self.num_leased_blocks: dict[str, int] = {}
+        # Failures found without a pull (params for another prompt): reported with the pulls'.
+        self.rejected: list[TransferResult] = []
+        # ---- worker half
+        self.transport = transport
+        self.wake: Any = None  # called from a loader thread when a pull ends (wakes the loop)
+        self._lock = threading.Lock()
+        self._done: list[TransferResult] = []
+        self._num_loading = 0
+        self._num_leases = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ======================== scheduler half ========================
+
+    def _remote(self, request: Any) -> RemotePrefill | None:
+        """The remote prompt KV of a decode request, when its params describe this prompt."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return None
+        try:
+            remote = RemotePrefill.parse(params)
+        except ValueError:
+            return None
+        num_prompt = request.num_prompt_tokens
+        if remote.num_prompt_tokens != num_prompt:
+            return None
+        if len(remote.block_ids) < cdiv(num_prompt - 1, self.block_size):
+            return None
+        return remote
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        remote = self._remote(request)
+        if remote is None:
+            return 0
+        # The last prompt token is recomputed here: its logits give the first token.
+        return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        remote = self._remote(request)
+        if remote is None:
+            self.rejected.append(
+                TransferResult(
+                    request.request_id,
+                    False,
+                    "BAD_PARAMS: kv_transfer_params do not describe this prompt "
+                    f"({request.num_prompt_tokens} tokens); recomputing",
+                )
+            )
+            return
+        if num_external == 0:
+            self._meta.releases.append(remote)
+            return
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        last = cdiv(num_computed_tokens + num_external, bs)
+        self._meta.loads.append(
+            LoadSpec(
+                req_id=request.request_id,
+                remote=remote,
+                remote_block_ids=remote.block_ids[first:last],
+                local_block_ids=block_ids[first:last],
+                timeout=self.config.load_timeout,
+            )
+        )
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
+        if not wants_remote_decode(request.kv_transfer_params):
+            return None
+        num_prompt = request.num_prompt_tokens
+        lease_ids = block_ids[: cdiv(num_prompt, self.block_size)]
+        if not lease_ids:
+            return None
+        expires_at = time.time() + self.config.lease_seconds
+        self._meta.leases.append(LeaseSpec(request.request_id, lease_ids, expires_at))
+        self.num_leased_blocks[request.request_id] = len(lease_ids)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_host": self.config.public_host,
+            "remote_port": self.port,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": lease_ids,
+            "num_prompt_tokens": num_prompt,
+            "lease_expires_at": expires_at,
+        }
+
+    def lease_ended(self, req_id: str) -> None:
+        self.num_leased_blocks.pop(req_id, None)
+
+    def failure_policy(self, request: Any) -> str:
+        params = request.kv_transfer_params or {}
+        policy = params.get("kv_load_failure_policy")
+        return policy if isinstance(policy, str) else self.config.load_failure_policy
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        return meta
+
+    # ========================= worker half ==========================
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        if self.transport is None:
+            self.transport = make_transport(self.config)
+        self.port = self.transport.start(kv_cache)
+        self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
+        logger.info(
+            "KV connector: role %s, transport %s on %s:%d, engine id %s",
+            self.config.role,
+            self.transport.name,
+            self.config.public_host,
+            self.port,
+            self.config.engine_id,
+        )
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        transport, pool = self.transport, self._pool
+        if transport is None or pool is None:
+            raise RuntimeError("register_kv_cache first")
+        for lease in metadata.leases:
+            transport.lease(lease.req_id, lease.block_ids, lease.expires_at)
+            self._num_leases += 1
+        for spec in metadata.loads:
+            with self._lock:
+                self._num_loading += 1
+            pool.submit(self._pull, spec)
+        for remote in metadata.releases:
+            pool.submit(transport.release_remote, remote, time.monotonic() + _RELEASE_TIMEOUT_S)
+
+    def _pull(self, spec: LoadSpec) -> None:
+        assert self.transport is not None
+        start = time.monotonic()
+        try:
+            result = self.transport.read(spec, start + spec.timeout)
+        except Exception as exc:  # a transport bug must still end the pull
+            logger.exception("KV pull for %s raised", spec.req_id)
+            result = TransferResult(spec.req_id, False, f"INTERNAL: {exc}")
+        if not result.ok:
+            logger.warning("KV pull for %s failed: %s", spec.req_id, result.error)
+            # The prefill side frees at once instead of at expiry; harmless if it is gone.
+            self.transport.release_remote(spec.remote, time.monotonic() + _RELEASE_TIMEOUT_S)
+        with self._lock:
+            self._done.append(result)
+            self._num_loading -= 1
+        wake = self.wake
+        if wake is not None:
+            wake()
+
+    def get_finished(self) -> KVConnectorOutput:
+        with self._lock:
+            done, self._done = self._done, []
+        claimed: list[str] = []
+        expired: list[str] = []
+        if self.transport is not None and self._num_leases:
+            claimed, expired = self.transport.finished_leases(time.time())
+            self._num_leases -= len(claimed) + len(expired)
+        return KVConnectorOutput(done, claimed, expired)
+
+    def has_pending(self) -> bool:
+        return self._num_loading > 0 or bool(self._done) or self._num_leases > 0
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.stop()

@@ -1,0 +1,74 @@
+"""The TCP transport behind the KV connector: a `KVBlockServer` for this engine's leases and
+pooled `read_blocks` pulls from other engines' servers (`tcp.py`, `tcp_reader.py`)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
+from baton.kv_transfer.tcp import KVBlockServer
+from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks, release_lease
+
+logger = logging.getLogger(__name__)
+
+
+class TCPTransport:
+    name = "tcp"
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self._server: KVBlockServer | None = None
+        self._kv_cache: torch.Tensor | None = None
+        self._pool = KVConnectionPool()
+
+    def start(self, kv_cache: torch.Tensor) -> int:
+        if kv_cache.device.type != "cpu":
+            raise ValueError(
+                "the TCP KV transport moves host memory; this engine's KV cache is on "
+                f"{kv_cache.device}. Use --kv-transport nixl for device memory."
+            )
+        self._kv_cache = kv_cache
+        self._server = KVBlockServer(
+            kv_cache, self.config.engine_id, self.config.host, self.config.port
+        )
+        return self._server.start()
+
+    def lease(self, req_id: str, block_ids: list[int], expires_at: float) -> None:
+        assert self._server is not None, "start first"
+        self._server.lease(req_id, block_ids, expires_at)
+
+    def finished_leases(self, now: float) -> tuple[list[str], list[str]]:
+        assert self._server is not None, "start first"
+        return self._server.done_requests(), self._server.expire(now)
+
+    def read(self, spec: LoadSpec, deadline: float) -> TransferResult:
+        assert self._kv_cache is not None, "start first"
+        r = spec.remote
+        result = read_blocks(
+            r.host,
+            r.port,
+            r.engine_id,
+            r.request_id,
+            spec.remote_block_ids,
+            self._kv_cache,
+            spec.local_block_ids,
+            deadline,
+            pool=self._pool,
+        )
+        return TransferResult(
+            spec.req_id, result.ok, result.error, result.num_bytes, result.seconds
+        )
+
+    def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
+        error = release_lease(
+            remote.host, remote.port, remote.engine_id, remote.request_id, deadline, pool=self._pool
+        )
+        if error is not None:
+            logger.debug("releasing remote lease %s: %s", remote.request_id, error)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._pool.close()

@@ -1,0 +1,261 @@
+"""Two EngineCores in one process, a prefill and a decode engine, hand a prompt's KV over TCP: the
+decode engine's greedy tokens equal a single engine's, and every lease and pull ends."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from baton.engine.config import EngineArgs
+from baton.engine.core import EngineCore
+from baton.engine.request import Request, RequestStatus
+from baton.engine.sampling_params import SamplingParams
+from baton.engine.scheduler.output import EngineCoreOutput
+from baton.kv_transfer.base import KVTransferConfig
+
+BLOCK = 4
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _engine(model: Path, role: str | None, **kv: object) -> EngineCore:
+    kvt = KVTransferConfig(role=role, **kv) if role else None  # type: ignore[arg-type]
+    args = EngineArgs(
+        model=str(model),
+        max_model_len=256,
+        block_size=BLOCK,
+        num_gpu_blocks_override=128,
+        kv_transfer=kvt,
+    )
+    return EngineCore(args)
+
+
+def _run(
+    core: EngineCore, requests: list[Request], timeout: float = 30
+) -> dict[str, EngineCoreOutput]:
+    """Steps until every request finished; returns each one's last output (with all tokens)."""
+    for r in requests:
+        core.add_request(r)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    last: dict[str, EngineCoreOutput] = {}
+    deadline = time.monotonic() + timeout
+    while len(last) < len(requests):
+        assert time.monotonic() < deadline, f"not finished: {set(tokens) - set(last)}"
+        if not core.has_unfinished_requests():
+            time.sleep(0.001)
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                out.new_token_ids = tokens[out.request_id]
+                last[out.request_id] = out
+    return last
+
+
+def _drain(core: EngineCore, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while core.has_pending_transfers() or core.has_unfinished_requests():
+        assert time.monotonic() < deadline, "transfers still pending"
+        core.step()
+        time.sleep(0.001)
+
+
+def _prompts() -> list[list[int]]:
+    # shorter than a block, exactly one block, several blocks, block-aligned, long
+    return [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate((1, 3, 4, 9, 16, 37))]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model) -> Path:
+    return tiny_model("llama")
+
+
+def _hand_off(prefill: EngineCore, decode: EngineCore, prompts, decode_params=None):
+    pre = _run(
+        prefill,
+        [
+            Request(
+                f"p{i}",
+                ids,
+                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                kv_transfer_params={"do_remote_decode": True},
+            )
+            for i, ids in enumerate(prompts)
+        ],
+    )
+    reqs = []
+    for i, ids in enumerate(prompts):
+        params = dict(pre[f"p{i}"].kv_transfer_params or {})
+        assert params["num_prompt_tokens"] == len(ids)
+        params.update(decode_params or {})
+        reqs.append(Request(f"d{i}", ids, GREEDY, kv_transfer_params=params))
+    return pre, _run(decode, reqs)
+
+
+def test_disaggregated_equals_single_engine(model: Path) -> None:
+    """Prefill on one engine, decode on another: the same greedy tokens as one engine alone; the
+    prefill engine's leases are all claimed and its blocks freed."""
+    single = _engine(model, None)
+    prompts = _prompts()
+    want = _run(single, [Request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    try:
+        pre, got = _hand_off(prefill, decode, prompts)
+        for i in range(len(prompts)):
+            assert got[f"d{i}"].new_token_ids == want[f"s{i}"].new_token_ids, i
+            # The prefill engine's one token is the first decode token.
+            assert pre[f"p{i}"].new_token_ids == want[f"s{i}"].new_token_ids[:1]
+        _drain(prefill)
+        assert not prefill.scheduler.leased
+        assert prefill.scheduler.kv.usage() == 0.0
+        results = decode.scheduler.kv_transfer_results
+        assert [r.ok for r in results].count(True) == sum(len(p) > 1 for p in prompts)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path) -> None:
+    """A prompt whose prefix the decode engine caches pulls only the blocks after it, and a prompt
+    it caches entirely pulls nothing but releases the lease at once."""
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    single = _engine(model, None)
+    base = [9 + j % 50 for j in range(21)]
+    prompts = [base, [*base, 3, 4, 5, 6, 7, 8, 9]]
+    want = _run(single, [Request(f"s{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    try:
+        _run(decode, [Request("warm", base, GREEDY)])  # the decode engine now caches `base`
+        _, got = _hand_off(prefill, decode, prompts)
+        assert got["d0"].new_token_ids == want["s0"].new_token_ids
+        assert got["d1"].new_token_ids == want["s1"].new_token_ids
+        pulled = [r for r in decode.scheduler.kv_transfer_results if r.ok]
+        assert len(pulled) == 1 and pulled[0].req_id == "d1"
+        block_bytes = decode.runner.kv_bytes_per_block()
+        # 28 tokens, 27 needed, 20 cached -> blocks 5 and 6 of 4 tokens
+        assert pulled[0].num_bytes == 2 * block_bytes
+        _drain(prefill)
+        assert not prefill.scheduler.leased  # d0's lease was released, not left to expire
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_restarted_prefill_engine_follows_the_failure_policy(model: Path, policy: str) -> None:
+    """Params naming an engine id that is not the one at that address (a restart) are never
+    read: recompute gives the single-engine answer, fail ends the request with an error."""
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    single = _engine(model, None)
+    prompt = list(range(10, 40))
+    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    try:
+        pre = _run(
+            prefill,
+            [
+                Request(
+                    "p",
+                    prompt,
+                    SamplingParams(max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+            ],
+        )
+        params = dict(
+            pre["p"].kv_transfer_params or {},
+            remote_engine_id="someone-else",
+            kv_load_failure_policy=policy,
+        )
+        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        if policy == "recompute":
+            assert got.new_token_ids == want and got.finish_reason == "length"
+        else:
+            assert got.finish_reason == "error"
+            assert "UNKNOWN_ENGINE" in (got.error or "")
+        assert decode.scheduler.kv_transfer_results[0].reason == "UNKNOWN_ENGINE"
+        _drain(decode)
+        assert decode.scheduler.kv.usage() == 0.0 or policy == "recompute"
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_unclaimed_lease_expires_and_frees_blocks(model: Path) -> None:
+    """Nobody pulls: the lease expires after its time and the prefill engine's blocks return."""
+    prefill = _engine(model, "prefill", lease_seconds=0.3)
+    try:
+        _run(
+            prefill,
+            [
+                Request(
+                    "p",
+                    list(range(3, 30)),
+                    SamplingParams(max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+            ],
+        )
+        assert prefill.scheduler.kv.usage() > 0
+        assert prefill.scheduler.make_stats().kv_blocks_leased == 7
+        _drain(prefill)
+        stats = prefill.scheduler.make_stats()
+        assert stats.kv_leases_expired == 1 and stats.kv_blocks_leased == 0
+        assert prefill.scheduler.kv.usage() == 0.0
+    finally:
+        prefill.shutdown()
+
+
+def test_nothing_listening_recomputes_within_the_timeout(model: Path) -> None:
+    """Params pointing at a port where nobody listens: the pull fails fast and the request is
+    recomputed locally."""
+    decode = _engine(model, "decode", load_timeout=2.0)
+    single = _engine(model, None)
+    prompt = list(range(50, 70))
+    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    params = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "x",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_request_id": "r",
+        "remote_block_ids": list(range(5)),
+        "num_prompt_tokens": len(prompt),
+        "lease_expires_at": time.time() + 30,
+    }
+    try:
+        start = time.monotonic()
+        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        assert got.new_token_ids == want
+        assert time.monotonic() - start < 5
+        assert decode.scheduler.kv_transfer_results[0].reason == "CONNECT_FAILED"
+    finally:
+        decode.shutdown()
+
+
+def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path) -> None:
+    """A request aborted in WAITING_FOR_REMOTE_KVS keeps its blocks until the loader is done
+    with them, then frees them."""
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    try:
+        pre = _run(
+            prefill,
+            [
+                Request(
+                    "p",
+                    list(range(3, 40)),
+                    SamplingParams(max_tokens=1),
+                    kv_transfer_params={"do_remote_decode": True},
+                )
+            ],
+        )
+        decode.add_request(
+            Request("d", list(range(3, 40)), GREEDY, kv_transfer_params=pre["p"].kv_transfer_params)
+        )
+        decode.step()
+        assert decode.scheduler.waiting_for_kvs["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode.abort_requests(["d"])
+        _drain(decode)
+        assert decode.scheduler.kv.usage() == 0.0
+        assert not decode.scheduler.requests
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

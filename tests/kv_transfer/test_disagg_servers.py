@@ -1,0 +1,276 @@
+"""Disaggregated serving with real processes: a prefill engine server and a decode engine server
+hand prompts' KV over, driven step by step with an HTTP client, and equal a single engine's
+answers; faults (a dead prefill engine, a stalled or lying peer, an unclaimed lease) end every
+request within its deadline and leak no blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engine.api.server_fixtures import Server, expect_error, start_server
+
+pytestmark = pytest.mark.slow
+
+BLOCK = "8"
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Any) -> Path:
+    return Path(tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
+    """A single engine, a prefill engine and a decode engine, started side by side."""
+    tmp = tmp_path_factory.mktemp("stack")
+    flags = [
+        (),
+        ("--role", "prefill"),
+        ("--role", "decode", "--kv-load-timeout", "3"),
+    ]
+    servers = [
+        Server(model, tmp / f"{i}.log", "--block-size", BLOCK, *f) for i, f in enumerate(flags)
+    ]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def single(stack: list[Server]) -> Server:
+    return stack[0]
+
+
+@pytest.fixture(scope="module")
+def prefill(stack: list[Server]) -> Server:
+    return stack[1]
+
+
+@pytest.fixture(scope="module")
+def decode(stack: list[Server]) -> Server:
+    return stack[2]
+
+
+def _complete(server: Server, prompt: list[int], **extra: Any) -> httpx.Response:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def _prefill_step(prefill: Server, prompt: list[int]) -> dict[str, Any]:
+    r = _complete(prefill, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params is not None
+    return dict(params)
+
+
+def _tokens(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text
+    return list(response.json()["choices"][0]["token_ids"])
+
+
+def _wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def _prompts() -> list[list[int]]:
+    """32 prompts: 1 to ~200 tokens (shorter than a block to many blocks), some repeated (cached on
+    the prefill side) and some extending an earlier one (a partly cached prefix)."""
+    rng = random.Random(7)
+    lengths = (1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 100, 127, 150, 200, 5, 12, 40, 80)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in lengths]
+    prompts += [list(prompts[i]) for i in (4, 10, 13, 15)]  # exact repeats
+    extend = ((10, 1), (11, 9), (12, 30), (13, 2), (14, 8), (15, 20), (3, 1), (6, 40))
+    prompts += [prompts[i] + [rng.randrange(5, 500) for _ in range(k)] for i, k in extend]
+    assert len(prompts) == 32
+    return prompts
+
+
+def test_disaggregated_answers_equal_the_single_engine(
+    single: Server, prefill: Server, decode: Server
+) -> None:
+    """32 prompts of mixed lengths through prefill → pull → decode give the single engine's
+    greedy tokens; the decode engine pulled bytes and recorded no failures; once idle, the prefill
+    engine holds no leased blocks."""
+    prompts = _prompts()
+    want = [_tokens(_complete(single, p)) for p in prompts]
+
+    def hand_off(prompt: list[int]) -> tuple[dict[str, Any], list[int]]:
+        params = _prefill_step(prefill, prompt)
+        return params, _tokens(_complete(decode, prompt, kv_transfer_params=params))
+
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(hand_off, prompts))
+    for i, (prompt, (params, tokens)) in enumerate(zip(prompts, got, strict=True)):
+        assert tokens == want[i], f"prompt {i} ({len(prompt)} tokens)"
+        assert params["num_prompt_tokens"] == len(prompt)
+        assert len(params["remote_block_ids"]) == -(-len(prompt) // int(BLOCK))
+        assert params["lease_expires_at"] > time.time()
+    metrics = decode.metrics()
+    assert metrics["baton:kv_transfer_bytes_total{}"] > 0
+    assert not [k for k in metrics if k.startswith("baton:kv_transfer_failures_total")]
+    _wait_for(
+        lambda: prefill.metrics()["baton:kv_blocks_leased{}"] == 0,
+        10,
+        "the prefill engine still holds leased blocks",
+    )
+    assert prefill.metrics()["vllm:kv_cache_usage_perc{}"] == 0.0
+    health = httpx.get(f"{prefill.url}/health").json()
+    assert (health["role"], health["kv_transport"]) == ("prefill", "tcp")
+
+
+def test_unclaimed_lease_expires(model: Path, tmp_path: Path) -> None:
+    """The decode side never pulls: the lease expires after --kv-lease-seconds and the prefill
+    engine's blocks return to its pool, counted in baton:kv_lease_expired_total."""
+    s = start_server(model, tmp_path, "--block-size", BLOCK, "--role", "prefill",
+                     "--kv-lease-seconds", "1")  # fmt: skip
+    try:
+        _prefill_step(s, list(range(10, 60)))
+        assert s.metrics()["baton:kv_blocks_leased{}"] == 7
+        _wait_for(
+            lambda: s.metrics()["baton:kv_lease_expired_total{}"] == 1, 5, "lease not expired"
+        )
+        m = s.metrics()
+        assert m["baton:kv_blocks_leased{}"] == 0 and m["vllm:kv_cache_usage_perc{}"] == 0.0
+    finally:
+        s.stop()
+
+
+def test_prefill_engine_killed_before_the_pull(
+    model: Path, tmp_path: Path, single: Server, decode: Server
+) -> None:
+    """The prefill engine dies after answering: the decode engine recomputes (policy recompute)
+    or answers a clear 503 (policy fail), within the load timeout."""
+    victim = start_server(model, tmp_path, "--block-size", BLOCK, "--role", "prefill")
+    prompts = {"recompute": list(range(100, 140)), "fail": list(range(140, 170))}
+    try:
+        params = {policy: _prefill_step(victim, prompt) for policy, prompt in prompts.items()}
+    finally:
+        victim.proc.kill()
+        victim.proc.wait(10)
+        victim.stop()
+    for policy, prompt in prompts.items():
+        start = time.monotonic()
+        r = _complete(
+            decode, prompt, kv_transfer_params=params[policy] | {"kv_load_failure_policy": policy}
+        )
+        assert time.monotonic() - start < 5
+        if policy == "recompute":
+            assert _tokens(r) == _tokens(_complete(single, prompt))
+        else:
+            error = expect_error(r, 503)
+            # CONNECT_FAILED, or SHORT_READ when the orphaned core still accepted before it exited.
+            assert error["message"].startswith("KV cache transfer from the prefill engine failed")
+
+
+def test_params_of_a_restarted_engine_recompute(
+    prefill: Server, decode: Server, single: Server
+) -> None:
+    """An engine id that is not the one now at that address is refused by the prefill side and
+    the decode side recomputes: the answer is still right, and the failure is counted."""
+    prompt = list(range(200, 230))
+    params = _prefill_step(prefill, prompt) | {"remote_engine_id": "0" * 32}
+    assert _tokens(_complete(decode, prompt, kv_transfer_params=params)) == _tokens(
+        _complete(single, prompt)
+    )
+    assert decode.metrics()['baton:kv_transfer_failures_total{reason="UNKNOWN_ENGINE"}'] >= 1
+
+
+class _BadPeer:
+    """A fake KV server: `stall` accepts and never answers; `short` answers OK and hangs up
+    mid-payload; `corrupt` sends the promised bytes with a wrong checksum."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        from baton.kv_transfer.tcp import _REPLY, _REPLY_MAGIC, _REQUEST
+
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                self.conns.append(conn)
+                if self.mode == "stall":
+                    continue
+                head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
+                _, elen, rlen, nblocks, bpb = _REQUEST.unpack(head)
+                conn.recv(elen + rlen + 4 * nblocks, socket.MSG_WAITALL)
+                total = nblocks * bpb
+                conn.sendall(_REPLY.pack(_REPLY_MAGIC, 0, bpb, total, 12345))
+                payload = bytes(total if self.mode == "corrupt" else total // 2)
+                conn.sendall(payload)
+                if self.mode == "short":
+                    conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("mode", ["stall", "short", "corrupt"])
+def test_bad_peers_are_detected_and_recomputed(
+    prefill: Server, decode: Server, single: Server, mode: str
+) -> None:
+    """A peer that stalls, hangs up mid-transfer or sends bytes that fail the checksum: the
+    decode engine detects it (within --kv-load-timeout for the stall) and recomputes."""
+    prompt = list(range(300, 345))
+    params = _prefill_step(prefill, prompt)
+    peer = _BadPeer(mode)
+    try:
+        start = time.monotonic()
+        r = _complete(decode, prompt, kv_transfer_params=params | {"remote_port": peer.port})
+        assert time.monotonic() - start < 6
+        assert _tokens(r) == _tokens(_complete(single, prompt))
+    finally:
+        peer.close()
+    reason = {"stall": "DEADLINE", "short": "SHORT_READ", "corrupt": "CHECKSUM_MISMATCH"}[mode]
+    assert decode.metrics()[f'baton:kv_transfer_failures_total{{reason="{reason}"}}'] >= 1
+
+
+def test_bad_kv_transfer_params_are_400(prefill: Server, decode: Server) -> None:
+    """Malformed params, or a hand-off asked of the wrong role, get a 400 naming the problem."""
+    bad = {"do_remote_prefill": True, "remote_port": "x"}
+    error = expect_error(_complete(decode, [1, 2, 3], kv_transfer_params=bad), 400)
+    assert error["param"] == "kv_transfer_params"
+    error = expect_error(
+        _complete(decode, [1, 2], kv_transfer_params={"do_remote_decode": True}), 400
+    )
+    assert "role" in error["message"]
+    error = expect_error(
+        _complete(prefill, [1, 2], kv_transfer_params={"do_remote_decode": True}, n=2), 400
+    )
+    assert "n=1" in error["message"]
+    policy = {"do_remote_decode": True, "kv_load_failure_policy": "retry"}
+    expect_error(_complete(prefill, [1, 2], kv_transfer_params=policy), 400)
