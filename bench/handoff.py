@@ -1,0 +1,239 @@
+"""Hand-off overhead of disaggregated serving: what the decode engine adds on top of moving bytes.
+
+Starts a prefill and a decode `baton engine` (the built-in ``small`` model, TCP transport) as real
+processes, then for each of ``--repeats`` fresh 2,000-token prompts: the prefill step (max_tokens 1,
+``do_remote_decode``), then the decode request with the prefill's ``kv_transfer_params``, streamed,
+timed from sending it to its first content chunk (the decode side's time to first token: the
+pull, the recompute of the last prompt token, sampling, HTTP). Beside it, in the same run:
+
+- the raw transfer: the same number of KV bytes sent once over a loopback socket between two
+  processes (``sendall`` into ``recv_into``);
+- the transport's own time for the pull (``baton:kv_transfer_seconds`` on the decode engine);
+- for scale, the prefill engine's time for the whole 2,000-token prefill.
+
+overhead = decode TTFT, server side (the engine's own ``vllm:time_to_first_token_seconds``, from the
+request's arrival) - raw transfer. The client-side figure and a no-pull floor (a prompt the decode
+engine already caches) are printed beside it. Aim (issue 4): overhead below the raw transfer time.
+
+    python bench/handoff.py [--repeats 10] [--prompt-len 2000] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from baton.engine.models.config import ModelConfig  # noqa: E402
+from baton.engine.models.tiny import default_model_path  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(model: Path, role: str, max_len: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "engine",
+        "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--role", role,
+        "--max-model-len", str(max_len), "--served-model-name", "small",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"engine at {url} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"engine at {url} not ready after {timeout} s")
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _sender(port: int, nbytes: int, repeats: int) -> None:
+    payload = bytearray(nbytes)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(repeats):
+            s.recv(1)  # "go"
+            s.sendall(payload)
+
+
+def raw_transfer_seconds(nbytes: int, repeats: int) -> float:
+    """Median time of one loopback send of nbytes from another process, first byte asked to
+    last byte received."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    child = mp.get_context("spawn").Process(
+        target=_sender, args=(listener.getsockname()[1], nbytes, repeats)
+    )
+    child.start()
+    conn, _ = listener.accept()
+    buf = memoryview(bytearray(nbytes))
+    times = []
+    with conn:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            conn.sendall(b"g")
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(buf[got:], 0, socket.MSG_WAITALL)
+            times.append(time.perf_counter() - start)
+    child.join()
+    listener.close()
+    return statistics.median(times)
+
+
+def _complete(url: str, prompt: list[int], **extra: Any) -> httpx.Response:
+    body = {"model": "small", "prompt": prompt, "temperature": 0.0, "ignore_eos": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def _decode_ttft(url: str, prompt: list[int], params: dict[str, Any]) -> float:
+    body = {
+        "model": "small", "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+        "ignore_eos": True, "stream": True, "kv_transfer_params": params,
+    }  # fmt: skip
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+    raise RuntimeError("no token came back")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    model = default_model_path()
+    mc = ModelConfig.from_pretrained(model)
+    max_len = args.prompt_len + 16
+    # The engines keep the model's float32 on CPU: K and V of every layer, 4 bytes each.
+    kv_bytes = args.prompt_len * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
+    (pre, pre_url), (dec, dec_url) = (
+        _start(model, "prefill", max_len),
+        _start(model, "decode", max_len),
+    )
+    try:
+        _wait(pre_url, pre)
+        _wait(dec_url, dec)
+        rng = random.Random(0)
+        vocab = mc.vocab_size
+
+        def prompt() -> list[int]:
+            return [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+
+        for _ in range(2):  # warm-up: first connections, first-use compilation
+            p = prompt()
+            params = _complete(
+                pre_url, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+            ).json()["kv_transfer_params"]
+            _decode_ttft(dec_url, p, params)
+        sum0 = _metric(dec_url, "baton:kv_transfer_seconds_sum")
+        count0 = _metric(dec_url, "baton:kv_transfer_seconds_count")
+        ttft0 = _metric(dec_url, "vllm:time_to_first_token_seconds_sum")
+        n0 = _metric(dec_url, "vllm:time_to_first_token_seconds_count")
+        prefill_s, ttfts = [], []
+        for _ in range(args.repeats):
+            p = prompt()
+            start = time.perf_counter()
+            r = _complete(pre_url, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+            prefill_s.append(time.perf_counter() - start)
+            ttfts.append(_decode_ttft(dec_url, p, r.json()["kv_transfer_params"]))
+        server_ttft = (_metric(dec_url, "vllm:time_to_first_token_seconds_sum") - ttft0) / max(
+            _metric(dec_url, "vllm:time_to_first_token_seconds_count") - n0, 1
+        )
+        # The floor: the same decode engine answering a prompt it already caches (no pull): HTTP,
+        # admission, one step computing one token over the 2,000-token context.
+        floor = []
+        for _ in range(args.repeats):
+            p = prompt()
+            _complete(dec_url, p, max_tokens=1)
+            floor.append(_decode_ttft(dec_url, p, {}))
+        pulls = _metric(dec_url, "baton:kv_transfer_seconds_count") - count0
+        transport_s = (_metric(dec_url, "baton:kv_transfer_seconds_sum") - sum0) / max(pulls, 1)
+        failures = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(f"{dec_url}/metrics").text.splitlines()
+            if line.startswith("baton:kv_transfer_failures_total{")
+        )
+    finally:
+        for proc in (pre, dec):
+            proc.terminate()
+        for proc in (pre, dec):
+            proc.wait(30)
+    raw_s = raw_transfer_seconds(kv_bytes, 20)
+    ttft = statistics.median(ttfts)
+    overhead = server_ttft - raw_s
+    result = {
+        "prompt_tokens": args.prompt_len,
+        "kv_bytes": kv_bytes,
+        "repeats": args.repeats,
+        "prefill_seconds_median": statistics.median(prefill_s),
+        "decode_ttft_median": ttft,
+        "decode_server_ttft_mean": server_ttft,
+        "cached_prompt_ttft_median": statistics.median(floor),
+        "decode_ttft_p90": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
+        "transport_pull_seconds_mean": transport_s,
+        "raw_transfer_seconds_median": raw_s,
+        "overhead_seconds": overhead,
+        "overhead_over_raw_transfer": overhead / raw_s,
+        "pull_failures": failures,
+    }
+    ms = 1e3
+    print(
+        f"prompt {args.prompt_len} tokens, {kv_bytes / 2**20:.1f} MiB of KV, {args.repeats} hand-offs"
+    )
+    print(
+        f"  prefill engine, whole prefill (median)      {result['prefill_seconds_median'] * ms:8.2f} ms"
+    )
+    print(f"  decode engine, arrival to first token       {ttft * ms:8.2f} ms")
+    print(f"  same, server side (arrival to first token)  {server_ttft * ms:8.2f} ms")
+    print(f"  cached prompt, no pull (client, median)     {statistics.median(floor) * ms:8.2f} ms")
+    print(f"  transport's pull (decode metrics, mean)     {transport_s * ms:8.2f} ms")
+    print(f"  raw loopback transfer of the same bytes     {raw_s * ms:8.2f} ms")
+    print(f"  overhead = server first token - raw        {overhead * ms:8.2f} ms "
+          f"({overhead / raw_s:.2f}x the raw transfer; aim < 1x)")  # fmt: skip
+    if failures:
+        print(f"  WARNING: {failures:.0f} pulls failed (recomputed)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
