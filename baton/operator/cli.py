@@ -1,0 +1,70 @@
+"""`baton operator`: runs the `InferenceService` operator (kopf) against the cluster it runs in,
+or the one `KUBECONFIG` names, for one or more namespaces or all of them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+import kopf
+
+from baton.operator.handlers import Controller, register
+from baton.operator.kube import load_config
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable; default: the current context's or pod's)",
+    )
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, $KUBECONFIG)"
+    )
+    parser.add_argument(
+        "--default-image",
+        default=os.environ.get("BATON_DEFAULT_IMAGE", ""),
+        help="image for services whose spec names none ($BATON_DEFAULT_IMAGE)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=8080,
+        help="port of the liveness endpoint /healthz (0: none)",
+    )
+    parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=300.0,
+        help="reconcile every service this often even without events",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.kubeconfig)
+    namespaces: tuple[str, ...] = ()
+    if not args.all_namespaces:
+        namespaces = tuple(args.namespace) or (config.namespace,)
+    controller = Controller(config, namespaces, args.default_image, args.resync_seconds)
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # kopf logs every handled watch event at INFO; the reconciler logs what it changes.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    registry = kopf.OperatorRegistry()
+    register(registry, controller)
+    liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            standalone=True,  # one replica (Recreate strategy): no peering objects needed
+            clusterwide=args.all_namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=liveness,
+        )
+    )
+    return 0

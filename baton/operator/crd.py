@@ -1,0 +1,342 @@
+"""The `InferenceService` custom resource definition: the one source of truth for its OpenAPI v3
+schema (with defaults, enums and bounds), printer columns and names. `manifests/crd.yaml` and the
+Helm chart's copy are generated from `crd_manifest()`; the operator applies the same schema's
+defaults and checks itself (`validation.py`), so a spec means the same with or without an API
+server that enforces the schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GROUP = "baton.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["bisvc"]
+
+# The metrics the HPAs scale on when a pool's autoscaling names none: queued requests are what a
+# prefill pool is short of, KV cache space is what a decode pool is short of.
+PREFILL_METRIC = "vllm:num_requests_waiting"
+DECODE_METRIC = "vllm:kv_cache_usage_perc"
+PREFILL_TARGET = "4"
+DECODE_TARGET = "800m"
+
+Schema = dict[str, Any]
+
+
+def _int(default: int | None = None, minimum: int = 0, maximum: int | None = None) -> Schema:
+    schema: Schema = {"type": "integer", "minimum": minimum}
+    if maximum is not None:
+        schema["maximum"] = maximum
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _str(description: str, default: str | None = None, enum: list[str] | None = None) -> Schema:
+    schema: Schema = {"type": "string", "description": description}
+    if default is not None:
+        schema["default"] = default
+    if enum is not None:
+        schema["enum"] = enum
+    return schema
+
+
+def _obj(properties: dict[str, Schema], description: str, **extra: Any) -> Schema:
+    return {"type": "object", "description": description, "properties": properties, **extra}
+
+
+QUANTITY: Schema = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+}
+# Kubernetes' own types that the operator copies into pods as they are.
+RESOURCES: Schema = _obj(
+    {
+        "limits": {"type": "object", "additionalProperties": QUANTITY},
+        "requests": {"type": "object", "additionalProperties": QUANTITY},
+    },
+    "Container resources (requests and limits). When they ask for nvidia.com/gpu, the engine "
+    "asks for tensorParallelSize GPUs.",
+)
+NODE_SELECTOR: Schema = {
+    "type": "object",
+    "description": "Node labels the pods must match.",
+    "additionalProperties": {"type": "string"},
+}
+TOLERATIONS: Schema = {
+    "type": "array",
+    "description": "Pod tolerations, as in a pod spec.",
+    "items": _obj(
+        {
+            "key": {"type": "string"},
+            "operator": _str("How key and value match.", enum=["Exists", "Equal"]),
+            "value": {"type": "string"},
+            "effect": _str(
+                "Taint effect to tolerate; empty matches all.",
+                enum=["NoSchedule", "PreferNoSchedule", "NoExecute"],
+            ),
+            "tolerationSeconds": {"type": "integer"},
+        },
+        "One toleration.",
+    ),
+}
+ENV: Schema = {
+    "type": "array",
+    "description": "Extra environment variables, as in a container spec.",
+    "items": _obj(
+        {
+            "name": {"type": "string", "minLength": 1},
+            "value": {"type": "string"},
+            "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        },
+        "One variable.",
+        required=["name"],
+    ),
+}
+
+
+def _autoscaling(metric: str, target: str) -> Schema:
+    return _obj(
+        {
+            "minReplicas": _int(1, minimum=1, maximum=1000),
+            "maxReplicas": _int(minimum=1, maximum=1000),
+            "metric": _str("Per-pod engine metric the HPA averages.", default=metric),
+            "target": {
+                **QUANTITY,
+                "description": "Average value per pod to hold the metric at (a quantity).",
+                "default": target,
+            },
+        },
+        "Scale the pool with an autoscaling/v2 HPA; the operator then leaves replicas to it.",
+        required=["maxReplicas"],
+    )
+
+
+POOL_PROPERTIES_DESCRIPTION = "One pool of engine pods."
+
+
+def _pool_properties(metric: str, target: str) -> dict[str, Schema]:
+    return {
+        "replicas": _int(1, maximum=1000),
+        "tensorParallelSize": {
+            **_int(minimum=1, maximum=64),
+            "description": "Overrides engine.tensorParallelSize for this pool.",
+        },
+        "resources": RESOURCES,
+        "nodeSelector": NODE_SELECTOR,
+        "tolerations": TOLERATIONS,
+        "env": ENV,
+        "autoscaling": _autoscaling(metric, target),
+    }
+
+
+ENGINE: Schema = _obj(
+    {
+        # In aggregated mode `engine` is also the pool of `role both` engines; its
+        # tensorParallelSize below (with a default) is the service-wide one.
+        **_pool_properties(PREFILL_METRIC, PREFILL_TARGET),
+        "maxModelLen": {**_int(minimum=1), "description": "Longest sequence (prompt + output)."},
+        "blockSize": _int(16, minimum=1, maximum=1024),
+        "maxNumSeqs": _int(256, minimum=1, maximum=65536),
+        "maxNumBatchedTokens": {**_int(minimum=1), "description": "Token budget per step."},
+        "dtype": _str(
+            "Weights and activations.", "auto", ["auto", "float16", "bfloat16", "float32"]
+        ),
+        "tensorParallelSize": _int(1, minimum=1, maximum=64),
+        "enablePrefixCaching": {"type": "boolean", "default": True},
+        "extraArgs": {
+            "type": "array",
+            "description": "More `baton engine` arguments, appended as they are.",
+            "items": {"type": "string"},
+        },
+    },
+    "Engine arguments shared by every engine; in aggregated mode also the one engine pool.",
+    default={},
+)
+
+SPEC: Schema = _obj(
+    {
+        "model": _obj(
+            {
+                "uri": _str("hf://org/name[@revision], pvc://claim/path or file:///path."),
+                "servedModelName": _str("Name clients send as `model`; default from the URI."),
+                "hfTokenSecret": _obj(
+                    {
+                        "name": {"type": "string", "minLength": 1},
+                        "key": _str("Key in the Secret.", "HF_TOKEN"),
+                    },
+                    "Secret holding HF_TOKEN for hf:// downloads.",
+                    required=["name"],
+                ),
+            },
+            "The model to serve.",
+            required=["uri"],
+        ),
+        "image": _str("Image with `baton`; default: the operator's --default-image."),
+        "imagePullPolicy": _str("", "IfNotPresent", ["Always", "IfNotPresent", "Never"]),
+        "mode": _str(
+            "disaggregated: prefill and decode pools; aggregated: one engine pool.",
+            "disaggregated",
+            ["disaggregated", "aggregated"],
+        ),
+        "engine": ENGINE,
+        "prefill": _obj(
+            _pool_properties(PREFILL_METRIC, PREFILL_TARGET),
+            POOL_PROPERTIES_DESCRIPTION,
+            default={},
+        ),
+        "decode": _obj(
+            _pool_properties(DECODE_METRIC, DECODE_TARGET), POOL_PROPERTIES_DESCRIPTION, default={}
+        ),
+        "kvTransfer": _obj(
+            {
+                "transport": _str("KV block transport.", "tcp", ["tcp", "nixl"]),
+                "leaseSeconds": _int(30, minimum=1, maximum=3600),
+                "loadFailurePolicy": _str(
+                    "What decode does when a pull fails.", "recompute", ["recompute", "fail"]
+                ),
+            },
+            "How decode engines pull KV blocks from prefill engines.",
+            default={},
+        ),
+        "router": _obj(
+            {
+                "replicas": _int(1, maximum=100),
+                "policy": _str(
+                    "Engine choice.",
+                    "prefix-aware",
+                    ["round-robin", "least-load", "prefix-aware"],
+                ),
+                "sessionAffinity": {
+                    "type": "boolean",
+                    "description": "Send requests with one x-session-id to one engine "
+                    "(default: the router's).",
+                },
+                "serviceType": _str("", "ClusterIP", ["ClusterIP", "NodePort", "LoadBalancer"]),
+                "disaggMinTokens": {
+                    **_int(0),
+                    "description": "Shorter prompts skip prefill and go to decode directly.",
+                },
+                "resources": RESOURCES,
+            },
+            "The router in front of the engines.",
+            default={},
+        ),
+    },
+    "What to serve and how.",
+    required=["model"],
+)
+
+POOL_STATUS: Schema = _obj(
+    {
+        "desiredReplicas": {"type": "integer"},
+        "readyReplicas": {"type": "integer"},
+        "summary": {"type": "string"},
+    },
+    "Replicas of one Deployment.",
+)
+STATUS: Schema = _obj(
+    {
+        "observedGeneration": {"type": "integer"},
+        "mode": {"type": "string"},
+        "url": {"type": "string"},
+        "prefill": POOL_STATUS,
+        "decode": POOL_STATUS,
+        "router": POOL_STATUS,
+        "conditions": {
+            "type": "array",
+            "items": _obj(
+                {
+                    "type": {"type": "string"},
+                    "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                    "reason": {"type": "string"},
+                    "message": {"type": "string"},
+                    "lastTransitionTime": {"type": "string", "format": "date-time"},
+                    "observedGeneration": {"type": "integer"},
+                },
+                "One condition.",
+                required=["type", "status"],
+            ),
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    },
+    "What runs, as the operator last saw it.",
+)
+
+PRINTER_COLUMNS = [
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+    },
+    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
+    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
+    {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    """The CustomResourceDefinition object, as written to `manifests/crd.yaml`."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {
+                        "openAPIV3Schema": _obj(
+                            {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": SPEC,
+                                "status": STATUS,
+                            },
+                            "An LLM served by prefill and decode engine pools behind a router.",
+                            required=["spec"],
+                        )
+                    },
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    """`manifests/crd.yaml` and the chart's `crds/inferenceservices.yaml`, byte for byte."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # the schema reuses sub-schemas; spell each out, no &anchors
+
+    header = "# Generated by `python -m baton.operator.crd`; edit baton/operator/crd.py instead.\n"
+    return header + yaml.dump(crd_manifest(), Dumper=Dumper, sort_keys=False, width=100)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(crd_yaml())

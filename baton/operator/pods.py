@@ -1,0 +1,202 @@
+"""Pure builders of the engine and router pod templates: command lines, probes, drain, model
+fetch and GPU requests. No I/O; `resources.py` wraps these templates into Deployments.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from baton.operator.spec import InferenceServiceSpec, ModelSource, Pool
+
+ENGINE_PORT = 8000
+KV_PORT = 14579
+ROUTER_PORT = 8000
+GPU = "nvidia.com/gpu"
+MODEL_MOUNT = "/models"
+# Time for endpoint removal to reach every router before SIGTERM starts the drain.
+PRESTOP_SLEEP_SECONDS = 10
+# Time an in-flight request gets to finish once the drain starts, on top of the KV lease.
+DRAIN_SECONDS = 120
+
+Manifest = dict[str, Any]
+
+
+def model_path(model: ModelSource) -> str:
+    """The `--model` argument inside the engine container."""
+    if model.scheme == "hf":
+        assert model.hf_repo is not None  # set by parse_model for hf://
+        return f"{MODEL_MOUNT}/{model.hf_repo}"
+    if model.scheme == "pvc":
+        return f"{MODEL_MOUNT}/{model.path}".rstrip("/")
+    return model.path
+
+
+def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
+    """`baton engine ...` for one pool; `$(POD_IP)` is expanded by the kubelet."""
+    engine, kv = spec.engine, spec.kv_transfer
+    args = [
+        "engine",
+        "--model", model_path(spec.model),
+        "--served-model-name", spec.model.served_model_name,
+        "--host", "0.0.0.0",
+        "--port", str(ENGINE_PORT),
+        "--role", pool.role,
+        "--kv-transport", kv.transport,
+        "--kv-port", str(KV_PORT),
+        "--kv-advertise-host", "$(POD_IP)",
+        "--kv-lease-seconds", str(kv.lease_seconds),
+        "--kv-load-failure-policy", kv.load_failure_policy,
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--dtype", engine.dtype,
+        "--tensor-parallel-size", str(pool.tensor_parallel_size),
+    ]  # fmt: skip
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(engine.max_num_batched_tokens)]
+    args.append(
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
+    )
+    return args + list(engine.extra_args)
+
+
+def engine_resources(pool: Pool) -> dict[str, Any]:
+    """The pool's resources, with `tensorParallelSize` GPUs when they ask for GPUs at all."""
+    resources = copy.deepcopy(pool.resources)
+    if any(GPU in resources.get(part, {}) for part in ("limits", "requests")):
+        # Extended resources must have equal requests and limits; the TP degree decides both.
+        resources.setdefault("limits", {})[GPU] = pool.tensor_parallel_size
+        if GPU in resources.get("requests", {}):
+            resources["requests"][GPU] = pool.tensor_parallel_size
+    return resources
+
+
+def _probes(port: str) -> dict[str, Any]:
+    def probe(period: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": period,
+            "failureThreshold": failures,
+            "timeoutSeconds": 5,
+        }
+
+    return {
+        # Loading weights may take minutes; liveness starts only once this has passed.
+        "startupProbe": probe(10, 90),
+        "readinessProbe": probe(5, 2),
+        "livenessProbe": probe(10, 6),
+    }
+
+
+def _fetch_model(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """Init containers and volumes that put the weights at `model_path`."""
+    model = spec.model
+    if model.scheme == "file":
+        return [], []
+    if model.scheme == "pvc":
+        claim = {"claimName": model.pvc_claim, "readOnly": True}
+        return [], [{"name": "model", "persistentVolumeClaim": claim}]
+    assert model.hf_repo is not None
+    args = ["download", model.hf_repo, "--local-dir", model_path(model)]
+    if model.revision:
+        args += ["--revision", model.revision]
+    env: list[Manifest] = [{"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.cache"}]
+    if model.hf_token_secret:
+        name, key = model.hf_token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    init = {
+        "name": "fetch-model",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["hf"],
+        "args": args,
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+    }
+    return [init], [{"name": "model", "emptyDir": {}}]
+
+
+def engine_pod(
+    spec: InferenceServiceSpec, pool: Pool, labels: dict[str, str], annotations: dict[str, str]
+) -> Manifest:
+    """The pod template of one engine pool."""
+    init_containers, volumes = _fetch_model(spec)
+    mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}] if volumes else []
+    if pool.tensor_parallel_size > 1:
+        # Tensor-parallel workers exchange tensors through shared memory; the default 64 MiB
+        # /dev/shm is too small.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    container: Manifest = {
+        "name": "engine",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["baton"],
+        "args": engine_args(spec, pool),
+        "ports": [
+            {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
+        ],
+        "env": [pod_ip, *copy.deepcopy(pool.env)],
+        "resources": engine_resources(pool),
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        **_probes("http"),
+    }
+    pod_spec: Manifest = {
+        "containers": [container],
+        "volumes": volumes,
+        # preStop, then SIGTERM drains in-flight requests and lets KV leases run out.
+        "terminationGracePeriodSeconds": (
+            PRESTOP_SLEEP_SECONDS + DRAIN_SECONDS + spec.kv_transfer.lease_seconds
+        ),
+        "nodeSelector": dict(pool.node_selector),
+        "tolerations": copy.deepcopy(pool.tolerations),
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+
+
+def router_pod(
+    spec: InferenceServiceSpec,
+    namespace: str,
+    selector: str,
+    service_account: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+) -> Manifest:
+    """The pod template of the router that discovers this service's engines."""
+    router = spec.router
+    args = [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", str(ROUTER_PORT),
+        "--discovery", "kubernetes",
+        "--namespace", namespace,
+        "--selector", selector,
+        "--policy", router.policy,
+        "--disagg-min-tokens", str(router.disagg_min_tokens),
+    ]  # fmt: skip
+    if router.session_affinity is not None:
+        args.append("--session-affinity" if router.session_affinity else "--no-session-affinity")
+    container: Manifest = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["baton"],
+        "args": args,
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "resources": copy.deepcopy(router.resources),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        **_probes("http"),
+    }
+    pod_spec: Manifest = {
+        "serviceAccountName": service_account,
+        "containers": [container],
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + DRAIN_SECONDS,
+    }
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}

@@ -1,0 +1,220 @@
+"""Pure builders of every child of an `InferenceService`: engine and router Deployments, the
+router Service and a headless Service per role, HPAs, PodDisruptionBudgets, and the router's
+ServiceAccount, Role and RoleBinding. `desired_children` is the whole desired state; the
+reconciler applies it. Every child carries a controller owner reference, so deleting the
+`InferenceService` garbage-collects it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton.operator import crd
+from baton.operator.pods import ENGINE_PORT, KV_PORT, ROUTER_PORT, engine_pod, router_pod
+from baton.operator.spec import InferenceServiceSpec, Pool
+from baton.operator.validation import SpecError
+
+Manifest = dict[str, Any]
+
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+ISVC_LABEL = "baton.dev/inference-service"
+ROLE_LABEL = "baton.dev/role"
+SERVED_MODEL_ANNOTATION = "baton.dev/served-model-name"
+APP = "baton"
+MANAGER = "baton-operator"
+# Children get names "<isvc>-prefill" etc., which must stay valid Service names (63 characters).
+MAX_NAME_LENGTH = 63 - len("-prefill")
+
+
+def check_name(name: str) -> None:
+    """Rejects an `InferenceService` name whose children's names would be too long."""
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            "NameTooLong",
+            f"metadata.name {name!r} has {len(name)} characters; at most {MAX_NAME_LENGTH} leave "
+            "room for the children's suffixes",
+        )
+
+
+def labels(name: str, component: str, role: str | None = None) -> dict[str, str]:
+    """The labels of every child and pod of the service `name` (engines also carry the role)."""
+    result = {
+        NAME_LABEL: APP,
+        INSTANCE_LABEL: name,
+        COMPONENT_LABEL: component,
+        MANAGED_BY_LABEL: MANAGER,
+        ISVC_LABEL: name,
+    }
+    if role is not None:
+        result[ROLE_LABEL] = role
+    return result
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The immutable Deployment selector: never add to it, or existing Deployments break."""
+    return {NAME_LABEL: APP, INSTANCE_LABEL: name, COMPONENT_LABEL: component}
+
+
+def owner_reference(isvc: Manifest) -> Manifest:
+    meta = isvc["metadata"]
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _child(
+    api_version: str,
+    kind: str,
+    name: str,
+    isvc: Manifest,
+    child_labels: dict[str, str],
+    annotations: dict[str, str] | None = None,
+) -> Manifest:
+    meta: Manifest = {
+        "name": name,
+        "namespace": isvc["metadata"]["namespace"],
+        "labels": child_labels,
+        "ownerReferences": [owner_reference(isvc)],
+    }
+    if annotations:
+        meta["annotations"] = annotations
+    return {"apiVersion": api_version, "kind": kind, "metadata": meta}
+
+
+def _engine_children(isvc: Manifest, spec: InferenceServiceSpec, pool: Pool) -> list[Manifest]:
+    name = isvc["metadata"]["name"]
+    child_name = f"{name}-{pool.component}"
+    pool_labels = labels(name, pool.component, pool.role)
+    served = {SERVED_MODEL_ANNOTATION: spec.model.served_model_name}
+    pod_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ENGINE_PORT),
+        "prometheus.io/path": "/metrics",
+        **served,
+    }
+    selector = selector_labels(name, pool.component)
+    deployment = _child("apps/v1", "Deployment", child_name, isvc, pool_labels)
+    deployment["spec"] = {
+        "selector": {"matchLabels": selector},
+        "template": engine_pod(spec, pool, pool_labels, pod_annotations),
+    }
+    if pool.autoscaling is None:  # otherwise the HPA owns replicas
+        deployment["spec"]["replicas"] = pool.replicas
+    # Headless: the router needs every pod's address (EndpointSlices), not one virtual IP.
+    service = _child("v1", "Service", child_name, isvc, pool_labels, served)
+    service["spec"] = {
+        "clusterIP": "None",
+        "selector": selector,
+        "ports": [
+            {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
+            {"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"},
+        ],
+    }
+    children = [deployment, service, _pdb(isvc, child_name, pool_labels, selector)]
+    if pool.autoscaling is not None:
+        auto = pool.autoscaling
+        hpa = _child("autoscaling/v2", "HorizontalPodAutoscaler", child_name, isvc, pool_labels)
+        hpa["spec"] = {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": child_name},
+            "minReplicas": auto.min_replicas,
+            "maxReplicas": auto.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": auto.metric},
+                        "target": {"type": "AverageValue", "averageValue": auto.target},
+                    },
+                }
+            ],
+        }
+        children.append(hpa)
+    return children
+
+
+def _pdb(
+    isvc: Manifest, name: str, pdb_labels: dict[str, str], selector: dict[str, str]
+) -> Manifest:
+    pdb = _child("policy/v1", "PodDisruptionBudget", name, isvc, pdb_labels)
+    pdb["spec"] = {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    return pdb
+
+
+def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifest]:
+    name = isvc["metadata"]["name"]
+    namespace = isvc["metadata"]["namespace"]
+    child_name = f"{name}-router"
+    router_labels = labels(name, "router")
+    selector = selector_labels(name, "router")
+    account = _child("v1", "ServiceAccount", child_name, isvc, router_labels)
+    role = _child("rbac.authorization.k8s.io/v1", "Role", child_name, isvc, router_labels)
+    role["rules"] = [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        },
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]},
+    ]
+    binding = _child("rbac.authorization.k8s.io/v1", "RoleBinding", child_name, isvc, router_labels)
+    binding["roleRef"] = {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": child_name,
+    }
+    binding["subjects"] = [{"kind": "ServiceAccount", "name": child_name, "namespace": namespace}]
+    pod_annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ROUTER_PORT),
+        "prometheus.io/path": "/metrics",
+    }
+    deployment = _child("apps/v1", "Deployment", child_name, isvc, router_labels)
+    deployment["spec"] = {
+        "replicas": spec.router.replicas,
+        "selector": {"matchLabels": selector},
+        "template": router_pod(
+            spec,
+            namespace,
+            f"{ISVC_LABEL}={name}",
+            child_name,
+            router_labels,
+            pod_annotations,
+        ),
+    }
+    service = _child("v1", "Service", name, isvc, router_labels)
+    service["spec"] = {
+        "type": spec.router.service_type,
+        "selector": selector,
+        "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}],
+    }
+    pdb = _pdb(isvc, child_name, router_labels, selector)
+    return [account, role, binding, deployment, service, pdb]
+
+
+def desired_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifest]:
+    """Every child the operator keeps for `isvc` (a body with metadata.name/namespace/uid)."""
+    check_name(isvc["metadata"]["name"])
+    children: list[Manifest] = []
+    for pool in spec.pools:
+        children += _engine_children(isvc, spec, pool)
+    return children + _router_children(isvc, spec)
+
+
+def service_url(isvc: Manifest, router_service: Manifest | None) -> str:
+    """Where clients reach the service: the load balancer once it has an address, else the
+    in-cluster DNS name."""
+    meta = isvc["metadata"]
+    if router_service is not None:
+        for ingress in router_service.get("status", {}).get("loadBalancer", {}).get("ingress", []):
+            host = ingress.get("hostname") or ingress.get("ip")
+            if host:
+                return f"http://{host}"
+    return f"http://{meta['name']}.{meta['namespace']}.svc"

@@ -1,0 +1,215 @@
+"""The typed view of an `InferenceService` spec: frozen dataclasses built by `parse_spec`, which
+applies the CRD schema (defaults, bounds) and the checks a schema cannot express (model URI,
+tensor-parallel layouts, image, autoscaling bounds), raising `SpecError` with a CamelCase reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from baton.operator.validation import SpecError, defaulted_spec
+
+Mode = Literal["disaggregated", "aggregated"]
+PoolRole = Literal["prefill", "decode", "both"]
+MODEL_SCHEMES = ("hf", "pvc", "file")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from and how clients name the model."""
+
+    uri: str
+    scheme: Literal["hf", "pvc", "file"]
+    served_model_name: str
+    hf_repo: str | None = None  # "org/name" for hf://
+    revision: str | None = None  # hf:// revision after "@"
+    pvc_claim: str | None = None  # claim name for pvc://
+    path: str = ""  # path inside the claim (pvc://) or the image (file://)
+    hf_token_secret: tuple[str, str] | None = None  # (Secret name, key)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """`baton engine` arguments shared by every engine pod of the service."""
+
+    max_model_len: int | None
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    dtype: str
+    enable_prefix_caching: bool
+    extra_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """An HPA on one engine metric, averaged over the pool's pods."""
+
+    min_replicas: int
+    max_replicas: int
+    metric: str
+    target: str  # a Kubernetes quantity, e.g. "4" or "800m"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One Deployment of engines with one role."""
+
+    role: PoolRole
+    replicas: int
+    tensor_parallel_size: int
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = field(default_factory=list)
+    env: list[dict[str, Any]] = field(default_factory=list)
+    autoscaling: Autoscaling | None = None
+
+    @property
+    def component(self) -> str:
+        """The `app.kubernetes.io/component` label and the name suffix of its children."""
+        return "engine" if self.role == "both" else self.role
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    transport: Literal["tcp", "nixl"]
+    lease_seconds: int
+    load_failure_policy: Literal["recompute", "fail"]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int
+    policy: str
+    service_type: str
+    disagg_min_tokens: int
+    session_affinity: bool | None = None  # None: the router's default
+    resources: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    """Everything the builders need, defaults applied and checked."""
+
+    model: ModelSource
+    image: str
+    image_pull_policy: str
+    mode: Mode
+    engine: EngineArgs
+    pools: tuple[Pool, ...]  # (prefill, decode) or (engine,) when aggregated
+    kv_transfer: KVTransfer
+    router: RouterSpec
+
+
+def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
+    """The typed spec of an `InferenceService`; raises `SpecError` for a spec that cannot run."""
+    spec = defaulted_spec(raw)
+    engine = spec["engine"]
+    mode: Mode = spec["mode"]
+    image = spec.get("image") or default_image
+    if not image:
+        raise SpecError(
+            "MissingImage", "spec.image is empty and the operator has no --default-image"
+        )
+    if mode == "aggregated":
+        pools: tuple[Pool, ...] = (_pool("both", engine, engine["tensorParallelSize"]),)
+    else:
+        prefill = _pool("prefill", spec["prefill"], engine["tensorParallelSize"])
+        decode = _pool("decode", spec["decode"], engine["tensorParallelSize"])
+        if prefill.tensor_parallel_size != decode.tensor_parallel_size:
+            raise SpecError(
+                "TensorParallelMismatch",
+                f"decode tensorParallelSize {decode.tensor_parallel_size} differs from prefill's "
+                f"{prefill.tensor_parallel_size}: KV blocks move between engines only when both "
+                "split the KV heads the same way; set both to the same value",
+            )
+        pools = (prefill, decode)
+    router = spec["router"]
+    kv = spec["kvTransfer"]
+    return InferenceServiceSpec(
+        model=parse_model(spec["model"]),
+        image=image,
+        image_pull_policy=spec["imagePullPolicy"],
+        mode=mode,
+        engine=EngineArgs(
+            max_model_len=engine.get("maxModelLen"),
+            block_size=engine["blockSize"],
+            max_num_seqs=engine["maxNumSeqs"],
+            max_num_batched_tokens=engine.get("maxNumBatchedTokens"),
+            dtype=engine["dtype"],
+            enable_prefix_caching=engine["enablePrefixCaching"],
+            extra_args=tuple(engine.get("extraArgs", ())),
+        ),
+        pools=pools,
+        kv_transfer=KVTransfer(kv["transport"], kv["leaseSeconds"], kv["loadFailurePolicy"]),
+        router=RouterSpec(
+            replicas=router["replicas"],
+            policy=router["policy"],
+            service_type=router["serviceType"],
+            disagg_min_tokens=router["disaggMinTokens"],
+            session_affinity=router.get("sessionAffinity"),
+            resources=router.get("resources", {}),
+        ),
+    )
+
+
+def parse_model(model: dict[str, Any]) -> ModelSource:
+    """`hf://org/name[@revision]`, `pvc://claim/path` or `file:///path`."""
+    uri: str = model["uri"]
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in MODEL_SCHEMES:
+        raise SpecError(
+            "UnsupportedModelURI",
+            f"spec.model.uri {uri!r}: the scheme must be one of "
+            + ", ".join(f"{s}://" for s in MODEL_SCHEMES),
+        )
+    secret = model.get("hfTokenSecret")
+    token = (secret["name"], secret["key"]) if secret else None
+    served: str | None = model.get("servedModelName")
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise SpecError("InvalidModelURI", f"spec.model.uri {uri!r}: expected hf://org/name")
+        return ModelSource(
+            uri,
+            "hf",
+            served or repo,
+            hf_repo=repo,
+            revision=revision or None,
+            hf_token_secret=token,
+        )
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        if not claim:
+            raise SpecError("InvalidModelURI", f"spec.model.uri {uri!r}: expected pvc://claim/path")
+        name = path.rstrip("/").rsplit("/", 1)[-1] or claim
+        return ModelSource(uri, "pvc", served or name, pvc_claim=claim, path=path.strip("/"))
+    if not rest.startswith("/") or rest == "/":
+        raise SpecError(
+            "InvalidModelURI", f"spec.model.uri {uri!r}: expected file:///absolute/path"
+        )
+    return ModelSource(uri, "file", served or rest.rstrip("/").rsplit("/", 1)[-1], path=rest)
+
+
+def _pool(role: PoolRole, pool: dict[str, Any], default_tp: int) -> Pool:
+    autoscaling = None
+    if "autoscaling" in pool:
+        a = pool["autoscaling"]
+        if a["minReplicas"] > a["maxReplicas"]:
+            raise SpecError(
+                "InvalidAutoscaling",
+                f"{role} autoscaling minReplicas {a['minReplicas']} is above "
+                f"maxReplicas {a['maxReplicas']}",
+            )
+        autoscaling = Autoscaling(a["minReplicas"], a["maxReplicas"], a["metric"], str(a["target"]))
+    return Pool(
+        role=role,
+        replicas=pool["replicas"],
+        tensor_parallel_size=pool.get("tensorParallelSize", default_tp),
+        resources=pool.get("resources", {}),
+        node_selector=pool.get("nodeSelector", {}),
+        tolerations=pool.get("tolerations", []),
+        env=pool.get("env", []),
+        autoscaling=autoscaling,
+    )

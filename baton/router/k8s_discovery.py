@@ -1,0 +1,160 @@
+"""Kubernetes discovery for the router: engines are the ready endpoints of the EndpointSlices
+that match a label selector, in one namespace or all. The role comes from the slice's
+`baton.dev/role` label (Kubernetes copies the Service's labels onto its slices) and the served
+model from the owning Service's `baton.dev/served-model-name` annotation. Keeps the `Discovery`
+contract of `discovery.py`: the full set goes to `on_change` whenever it changes, and API errors
+are logged and retried with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+
+from baton.operator.kube import ApiError, KubeClient, KubeConfig, load_config, resource_path
+from baton.router.discovery import ROLES, Endpoint, OnChange, Role
+
+logger = logging.getLogger(__name__)
+
+ROLE_LABEL = "baton.dev/role"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+SERVED_MODEL_ANNOTATION = "baton.dev/served-model-name"
+
+ROLE_OF: dict[str, Role] = {role: role for role in ROLES}
+
+Manifest = dict[str, Any]
+ObjectKey = tuple[str, str]  # namespace, name
+
+
+class KubernetesDiscovery:
+    """Engines from EndpointSlices selected by labels."""
+
+    def __init__(
+        self,
+        namespace: str | None,
+        selector: Mapping[str, str],
+        port_name: str = "http",
+        config: KubeConfig | None = None,
+        max_backoff: float = 30.0,
+    ) -> None:
+        """How the router's flags map here: `--discovery kubernetes --namespace NS` gives
+        `namespace="NS"`, `--all-namespaces` gives `namespace=None`, and
+        `--selector k=v,k2=v2` gives `selector={"k": "v", "k2": "v2"}` (every pair must match).
+        `port_name` names the EndpointSlice port of the engines' HTTP API (the operator's
+        headless Services call it "http"). `config` defaults to the in-cluster service account,
+        else `$KUBECONFIG`; the account needs get/list/watch on endpointslices and services."""
+        if not selector:
+            raise ValueError("Kubernetes discovery needs a label selector, e.g. app=baton")
+        self.namespace = namespace
+        self.selector = ",".join(f"{k}={v}" for k, v in selector.items())
+        self.port_name = port_name
+        self.max_backoff = max_backoff
+        self._config = config
+        self._slices: dict[ObjectKey, Manifest] = {}
+        self._models: dict[ObjectKey, str | None] = {}  # Service -> served model name
+        self._published: frozenset[Endpoint] | None = None
+        self._failures = 0  # consecutive failed rounds, for the backoff
+        # Kinds listed at least once: nothing is published before both are, so engines never
+        # appear without their model first.
+        self._listed: set[str] = set()
+
+    async def run(self, on_change: OnChange) -> None:
+        """Lists, then watches, slices and Services until cancelled; relists after any error."""
+        config = self._config or load_config()
+        async with KubeClient(config) as client:
+            while True:
+                try:
+                    # Either watch failing ends both; the next round relists both.
+                    async with asyncio.TaskGroup() as group:
+                        group.create_task(
+                            self._follow(client, "discovery.k8s.io/v1", "endpointslices", on_change)
+                        )
+                        group.create_task(self._follow(client, "v1", "services", on_change))
+                except* (ApiError, aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+                    delay = min(self.max_backoff, 0.5 * 2**self._failures)
+                    self._failures += 1
+                    causes = "; ".join(str(x) for x in e.exceptions)
+                    logger.warning("Kubernetes discovery: %s; retrying in %.1fs", causes, delay)
+                    await asyncio.sleep(delay)
+
+    async def _follow(
+        self, client: KubeClient, api_version: str, plural: str, on_change: OnChange
+    ) -> None:
+        """Keeps one kind's objects current: a list, then watches from its resourceVersion."""
+        path = resource_path(api_version, plural, self.namespace)
+        listed = await client.list(path, self.selector)
+        self._failures = 0
+        store = self._slices if plural == "endpointslices" else None
+        fresh = {_key(item): item for item in listed.get("items", [])}
+        if store is not None:
+            store.clear()
+            store.update(fresh)
+        else:
+            self._models = {key: _served_model(item) for key, item in fresh.items()}
+        self._listed.add(plural)
+        self._publish(on_change)
+        version = listed["metadata"]["resourceVersion"]
+        while True:
+            async for event in client.watch(path, version, self.selector):
+                obj = event["object"]
+                version = obj.get("metadata", {}).get("resourceVersion", version)
+                if event["type"] == "BOOKMARK":
+                    continue
+                key, gone = _key(obj), event["type"] == "DELETED"
+                if store is not None:
+                    if gone:
+                        store.pop(key, None)
+                    else:
+                        store[key] = obj
+                elif gone:
+                    self._models.pop(key, None)
+                else:
+                    self._models[key] = _served_model(obj)
+                self._publish(on_change)
+
+    def _publish(self, on_change: OnChange) -> None:
+        if len(self._listed) < 2:
+            return
+        endpoints = frozenset(self.endpoints())
+        if endpoints != self._published:
+            self._published = endpoints
+            on_change(endpoints)
+
+    def endpoints(self) -> set[Endpoint]:
+        """The ready engines in the slices seen so far."""
+        result: set[Endpoint] = set()
+        for (namespace, _), item in self._slices.items():
+            labels = item.get("metadata", {}).get("labels") or {}
+            role = ROLE_OF.get(labels.get(ROLE_LABEL, ""))
+            if role is None:
+                continue  # e.g. the router's own Service, which matches a broad selector
+            ports = [
+                p.get("port") for p in item.get("ports") or [] if p.get("name") == self.port_name
+            ]
+            if not ports or ports[0] is None:
+                continue
+            model = self._models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
+            for endpoint in item.get("endpoints") or []:
+                conditions = endpoint.get("conditions") or {}
+                # An unset `ready` means unknown, which consumers treat as ready.
+                if conditions.get("ready") is False or conditions.get("terminating"):
+                    continue
+                for address in (endpoint.get("addresses") or [])[:1]:
+                    host = f"[{address}]" if ":" in address else address
+                    result.add(Endpoint(f"http://{host}:{ports[0]}", role, model))
+        return result
+
+
+def _key(obj: Manifest) -> ObjectKey:
+    meta = obj["metadata"]
+    return meta.get("namespace", ""), meta["name"]
+
+
+def _served_model(service: Manifest) -> str | None:
+    annotations = service.get("metadata", {}).get("annotations") or {}
+    name = annotations.get(SERVED_MODEL_ANNOTATION)
+    return str(name) if name else None
