@@ -20,10 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: install
-	@echo "Baton engine server on http://127.0.0.1:8000 with the built-in model. In another shell:"
-	@echo "  curl -s http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\"
-	@echo "    -d '{\"model\": \"llama-small\", \"prompt\": \"The relay team\", \"max_tokens\": 16}'"
-	$(VENV)/bin/baton engine --host 127.0.0.1 --port 8000
+	$(VENV)/bin/baton serve --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest -q
@@ -36,6 +33,7 @@ lint: install
 bench: install
 	$(PY) bench/scheduler.py
 	$(PY) bench/throughput.py
+	$(PY) bench/router.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

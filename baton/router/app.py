@@ -1,0 +1,105 @@
+"""The router's HTTP face: a FastAPI app with the engines' OpenAI routes in front of a `Router`.
+
+Request bodies are read as raw JSON (not validated into models): the engines validate them and
+their 400s pass through unchanged, and the router stays a thin, fast hop. The app starts the
+router's discovery when it starts serving and closes it when it stops.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from baton.router.discovery import Discovery
+from baton.router.errors import RouterError
+from baton.router.metrics import CONTENT_TYPE
+from baton.router.router import ClientGone, Router
+
+logger = logging.getLogger(__name__)
+
+# What a client that left before its answer is logged with (nginx's code); nobody reads it.
+_CLIENT_CLOSED = 499
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(json.dumps(body), status_code=status, media_type="application/json")
+
+
+def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
+    """The app serving `router`; `discovery`, when given, starts with the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if discovery is not None:
+            router.start(discovery)
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(
+        title="Baton router",
+        description="The cluster-wide OpenAI endpoint in front of Baton engines",
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    metrics = router.metrics
+
+    async def answered(route: str, handle: Callable[[], Awaitable[Response]]) -> Response:
+        try:
+            response = await handle()
+        except RouterError as e:
+            response = e.response()
+        except ClientGone:
+            response = Response(status_code=_CLIENT_CLOSED)
+        metrics.request(route, response.status_code)
+        return response
+
+    def generation(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            async def handle() -> Response:
+                return await router.generate(await router.read(route, request))
+
+            return await answered(route, handle)
+
+        return endpoint
+
+    def tokenizer(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await answered(route, lambda: router.forward_any(route, request))
+
+        return endpoint
+
+    # Plain Starlette routes: FastAPI's dependency solving per request is measurable at 64
+    # streams on two cores, and the bodies are the engines' to validate anyway.
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        app.add_route(route, generation(route), methods=["POST"])
+    for route in ("/tokenize", "/detokenize"):
+        app.add_route(route, tokenizer(route), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _json(router.models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 once every known engine has been checked; the router itself is up."""
+        if not router.ready():
+            return RouterError(503, "the router is starting: engines not checked yet").response()
+        available = sum(1 for e in router.describe() if e["available"])
+        return _json({"status": "ok", "engines": len(router.engines), "available": available})
+
+    @app.get("/engines")
+    async def engines() -> Response:
+        return _json({"engines": router.describe()})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

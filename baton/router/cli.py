@@ -1,0 +1,187 @@
+"""`baton router`: its flags, and the configs and discovery they make.
+
+`add_routing_args` holds the flags that shape routing (policies, hand-off, retries, health);
+`baton serve` passes them through to the router it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from baton.router.config import POLICIES, RouterConfig
+from baton.router.discovery import Discovery, Endpoint, StaticDiscovery
+from baton.router.server import ListenConfig, serve
+
+logger = logging.getLogger(__name__)
+
+# Flags that only `baton router` has: where it listens and how it finds engines.
+DISCOVERY_FLAGS = (
+    "--prefill",
+    "--decode",
+    "--engine",
+    "--discovery",
+    "--namespace",
+    "--all-namespaces",
+    "--selector",
+)
+
+
+def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
+    """The flags that shape routing, with `RouterConfig`'s defaults."""
+    c = RouterConfig
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help=f"policy of every role unless --prefill-policy/--decode-policy say otherwise "
+        f"(default: {c.decode_policy})",
+    )
+    parser.add_argument("--prefill-policy", choices=POLICIES, default=None)
+    parser.add_argument("--decode-policy", choices=POLICIES, default=None)
+    parser.add_argument(
+        "--prefix-load-weight",
+        type=float,
+        default=c.prefix_load_weight,
+        help="prefix-aware: how much load a full prefix match outweighs",
+    )
+    parser.add_argument("--prefix-block-chars", type=int, default=c.prefix_block_chars)
+    parser.add_argument("--prefix-index-blocks", type=int, default=c.prefix_index_blocks)
+    parser.add_argument(
+        "--session-affinity",
+        action=argparse.BooleanOptionalAction,
+        default=c.session_affinity,
+        help="send requests with the same x-session-id header to the same engine",
+    )
+    parser.add_argument(
+        "--disagg-min-tokens",
+        type=int,
+        default=c.disagg_min_tokens,
+        help="prompts estimated shorter than this skip the prefill engine",
+    )
+    parser.add_argument(
+        "--disagg-cached-fraction",
+        type=float,
+        default=c.disagg_cached_fraction,
+        help="skip the prefill engine when the decode engine holds this fraction of the prompt",
+    )
+    parser.add_argument("--chars-per-token", type=float, default=c.chars_per_token)
+    parser.add_argument(
+        "--on-no-prefill",
+        choices=("fail", "decode"),
+        default=c.on_no_prefill,
+        help="with no healthy prefill engine: answer 503, or serve on decode engines alone",
+    )
+    parser.add_argument(
+        "--max-retries",
+        type=int,
+        default=c.max_retries,
+        help="other engines tried when one fails before the first byte",
+    )
+    parser.add_argument("--request-timeout", type=float, default=c.request_timeout)
+    parser.add_argument("--connect-timeout", type=float, default=c.connect_timeout)
+    parser.add_argument("--max-connections", type=int, default=c.max_connections)
+    parser.add_argument("--health-interval", type=float, default=c.health_interval)
+    parser.add_argument("--health-timeout", type=float, default=c.health_timeout)
+    parser.add_argument("--eject-after-failures", type=int, default=c.eject_after_failures)
+    parser.add_argument("--eject-seconds", type=float, default=c.eject_seconds)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`baton router`'s flags."""
+    listen = ListenConfig
+    parser.add_argument("--host", default=listen.host)
+    parser.add_argument("--port", type=int, default=listen.port)
+    parser.add_argument("--router-shutdown-timeout", type=float, default=listen.shutdown_timeout)
+    parser.add_argument("--access-log", action="store_true")
+    static = parser.add_argument_group("static discovery (URLs may repeat the flag)")
+    for role in ("prefill", "decode"):
+        static.add_argument(
+            f"--{role}", action="append", default=[], metavar="URL", help=f"a {role} engine"
+        )
+    static.add_argument(
+        "--engine", action="append", default=[], metavar="URL", help="an aggregated engine"
+    )
+    k8s = parser.add_argument_group("Kubernetes discovery (EndpointSlices)")
+    k8s.add_argument("--discovery", choices=("static", "kubernetes"), default="static")
+    k8s.add_argument("--namespace", default=None)
+    k8s.add_argument("--all-namespaces", action="store_true")
+    k8s.add_argument(
+        "--selector", default="", help="label selector of the engines' Services: k=v,k2=v2"
+    )
+    add_routing_args(parser.add_argument_group("routing"))
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The `RouterConfig` of `add_routing_args`' flags; ValueError if invalid."""
+    policy = args.policy or RouterConfig.decode_policy
+    return RouterConfig(
+        prefill_policy=args.prefill_policy or policy,
+        decode_policy=args.decode_policy or policy,
+        prefix_load_weight=args.prefix_load_weight,
+        prefix_block_chars=args.prefix_block_chars,
+        prefix_index_blocks=args.prefix_index_blocks,
+        session_affinity=args.session_affinity,
+        disagg_min_tokens=args.disagg_min_tokens,
+        disagg_cached_fraction=args.disagg_cached_fraction,
+        chars_per_token=args.chars_per_token,
+        on_no_prefill=args.on_no_prefill,
+        max_retries=args.max_retries,
+        request_timeout=args.request_timeout,
+        connect_timeout=args.connect_timeout,
+        max_connections=args.max_connections,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        eject_after_failures=args.eject_after_failures,
+        eject_seconds=args.eject_seconds,
+    )
+
+
+def parse_selector(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` as a dict; ValueError naming the bad part."""
+    selector: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--selector must be key=value pairs separated by commas: {part!r}")
+        selector[key.strip()] = value.strip()
+    return selector
+
+
+def discovery_from_args(args: argparse.Namespace) -> Discovery:
+    """Static discovery of the URL flags, or Kubernetes discovery of the selector."""
+    urls = [*args.prefill, *args.decode, *args.engine]
+    if args.discovery == "kubernetes":
+        if urls:
+            raise ValueError("--prefill/--decode/--engine URLs need --discovery static")
+        if args.all_namespaces == (args.namespace is not None):
+            raise ValueError("--discovery kubernetes needs --namespace NS or --all-namespaces")
+        # Imported here: only a router in Kubernetes needs the Kubernetes client.
+        from baton.router.k8s_discovery import KubernetesDiscovery
+
+        return KubernetesDiscovery(args.namespace, parse_selector(args.selector))
+    if not urls:
+        raise ValueError("give at least one engine: --prefill URL, --decode URL or --engine URL")
+    endpoints = [Endpoint(url.rstrip("/"), "prefill") for url in args.prefill]
+    endpoints += [Endpoint(url.rstrip("/"), "decode") for url in args.decode]
+    endpoints += [Endpoint(url.rstrip("/"), "both") for url in args.engine]
+    return StaticDiscovery(endpoints)
+
+
+def listen_from_args(args: argparse.Namespace) -> ListenConfig:
+    return ListenConfig(
+        host=args.host,
+        port=args.port,
+        shutdown_timeout=args.router_shutdown_timeout,
+        access_log=args.access_log,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """`baton router`: route until stopped; the exit code says how it ended."""
+    config = config_from_args(args)
+    discovery = discovery_from_args(args)
+    return serve(config, discovery, listen_from_args(args))

@@ -1,0 +1,86 @@
+"""The router's settings: one frozen dataclass, validated on construction, built by `cli`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PolicyName = Literal["round-robin", "least-load", "prefix-aware"]
+POLICIES: tuple[PolicyName, ...] = ("round-robin", "least-load", "prefix-aware")
+OnNoPrefill = Literal["fail", "decode"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router picks engines, hands requests off, checks health and times out."""
+
+    # -- policies, per role ("both" engines use decode_policy) --
+    prefill_policy: PolicyName = "prefix-aware"
+    decode_policy: PolicyName = "prefix-aware"
+    # prefix-aware: a full prefix match is worth this much extra load on an engine, measured
+    # relative to the least loaded candidate (see `policies.PrefixAware`)
+    prefix_load_weight: float = 1.0
+    # Characters per approximate prefix block (the router does not tokenize); about one
+    # 16-token engine block of English text.
+    prefix_block_chars: int = 64
+    prefix_index_blocks: int = 1 << 16  # approximate blocks remembered per engine (LRU)
+    session_affinity: bool = True  # requests with the same x-session-id go to the same engine
+
+    # -- conditional disaggregation --
+    disagg_min_tokens: int = 0  # prompts estimated shorter than this skip the prefill step
+    # skip the prefill step when the chosen decode engine already holds this fraction of the
+    # prompt's blocks
+    disagg_cached_fraction: float = 0.8
+    chars_per_token: float = 4.0  # for the token estimate of text prompts
+    on_no_prefill: OnNoPrefill = "fail"  # no healthy prefill engine: 503, or decode alone
+
+    # -- retries and timeouts (seconds) --
+    max_retries: int = 2  # further engines tried when one fails before the first byte
+    request_timeout: float = 600.0  # longest wait for an engine's next bytes
+    connect_timeout: float = 2.0
+    max_connections: int = 1024  # upstream connections, all engines together
+
+    # -- health --
+    health_interval: float = 1.0  # active /health checks and /metrics scrapes, per engine
+    health_timeout: float = 2.0
+    eject_after_failures: int = 2  # consecutive failed requests that eject an engine
+    eject_seconds: float = 5.0  # an ejected engine stays out at least this long
+
+    def __post_init__(self) -> None:
+        for field, value in (
+            ("prefill_policy", self.prefill_policy),
+            ("decode_policy", self.decode_policy),
+        ):
+            if value not in POLICIES:
+                raise ValueError(f"{field} must be one of {POLICIES}, got {value!r}")
+        if self.on_no_prefill not in ("fail", "decode"):
+            raise ValueError(
+                f"on_no_prefill must be 'fail' or 'decode', got {self.on_no_prefill!r}"
+            )
+        positive = (
+            ("prefix_block_chars", self.prefix_block_chars),
+            ("prefix_index_blocks", self.prefix_index_blocks),
+            ("chars_per_token", self.chars_per_token),
+            ("request_timeout", self.request_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("max_connections", self.max_connections),
+            ("health_interval", self.health_interval),
+            ("health_timeout", self.health_timeout),
+            ("eject_after_failures", self.eject_after_failures),
+        )
+        for field, number in positive:
+            if number <= 0:
+                raise ValueError(f"{field} must be > 0, got {number}")
+        non_negative = (
+            ("prefix_load_weight", self.prefix_load_weight),
+            ("disagg_min_tokens", self.disagg_min_tokens),
+            ("max_retries", self.max_retries),
+            ("eject_seconds", self.eject_seconds),
+        )
+        for field, number in non_negative:
+            if number < 0:
+                raise ValueError(f"{field} must be >= 0, got {number}")
+        if not 0 < self.disagg_cached_fraction <= 1:
+            raise ValueError(
+                f"disagg_cached_fraction must be in (0, 1], got {self.disagg_cached_fraction}"
+            )

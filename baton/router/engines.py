@@ -1,0 +1,109 @@
+"""The engines the router knows: one `EngineState` per discovered endpoint (what it serves, its
+health, its load), and `EngineSet`, which keeps them in step with discovery and answers "which
+engines of this model and role can take a request now"."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from baton.router.discovery import Endpoint, Role
+
+# Who may answer which step: a decode step goes to decode engines or aggregated ones.
+DECODE_ROLES: tuple[Role, ...] = ("decode", "both")
+PREFILL_ROLES: tuple[Role, ...] = ("prefill",)
+AGGREGATED_ROLES: tuple[Role, ...] = ("both",)
+ALL_ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+
+
+@dataclass(eq=False)
+class EngineState:
+    """One engine as the router sees it. Mutated only on the router's event loop."""
+
+    endpoint: Endpoint
+    # Served model names: the endpoint's when discovery knows it, else from GET /v1/models.
+    models: tuple[str, ...] = ()
+    cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # model id -> /v1/models card
+    healthy: bool = False  # the latest active check passed
+    checked: bool = False  # an active check has finished at least once
+    consecutive_failures: int = 0  # failed requests in a row (passive health)
+    ejected_until: float | None = None  # monotonic time; None: not ejected
+    in_flight: int = 0  # requests this router has open on the engine
+    # least-load: running + waiting at the last scrape, and in_flight at that moment, so
+    # requests sent or finished since then correct the stale figure
+    scraped_load: float = 0.0
+    in_flight_at_scrape: int = 0
+    kv_cache_usage: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint.model is not None and not self.models:
+            self.models = (self.endpoint.model,)
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def role(self) -> Role:
+        return self.endpoint.role
+
+    def available(self, now: float) -> bool:
+        """Healthy by its last check, not ejected, and its models known."""
+        ejected = self.ejected_until is not None and now < self.ejected_until
+        return self.healthy and not ejected and bool(self.models)
+
+    def load(self) -> float:
+        """Requests on the engine: the scraped count, corrected by what changed since."""
+        return max(0.0, self.scraped_load + self.in_flight - self.in_flight_at_scrape)
+
+
+class EngineSet:
+    """The known engines by URL, in step with discovery."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, EngineState] = {}
+
+    def __iter__(self) -> Iterator[EngineState]:
+        return iter(list(self._engines.values()))
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def get(self, url: str) -> EngineState | None:
+        return self._engines.get(url)
+
+    def update(
+        self, endpoints: Collection[Endpoint]
+    ) -> tuple[list[EngineState], list[EngineState]]:
+        """Makes the set match `endpoints`; returns (added, removed). An endpoint whose role or
+        model changed counts as removed and added."""
+        wanted = {e.url: e for e in endpoints}
+        removed = [s for url, s in self._engines.items() if wanted.get(url) != s.endpoint]
+        for state in removed:
+            del self._engines[state.url]
+        added = []
+        for url, endpoint in wanted.items():
+            if url not in self._engines:
+                state = EngineState(endpoint)
+                self._engines[url] = state
+                added.append(state)
+        return added, removed
+
+    def models(self) -> list[str]:
+        """Every model some known engine serves, sorted."""
+        return sorted({m for s in self._engines.values() for m in s.models})
+
+    def of_model(self, model: str, roles: Collection[Role]) -> list[EngineState]:
+        """Known engines (available or not) serving `model` in one of `roles`."""
+        return [s for s in self._engines.values() if s.role in roles and model in s.models]
+
+    def available(self, model: str, roles: Collection[Role]) -> list[EngineState]:
+        """Engines serving `model` in one of `roles` that may take a request now."""
+        now = time.monotonic()
+        return [
+            s
+            for s in self._engines.values()
+            if s.role in roles and model in s.models and s.available(now)
+        ]

@@ -1,0 +1,157 @@
+"""The prefill→decode hand-off of a disaggregated model, and when to skip it.
+
+Step 1 sends the request to a prefill engine with `max_tokens=1`, `stream: false` and
+`kv_transfer_params={"do_remote_decode": true}`; its answer carries the `kv_transfer_params`
+that say where the prompt's KV blocks wait (engine id, host, port, request id, block ids,
+lease). Step 2 sends the original request to a decode engine with those params plus
+`"do_remote_prefill": true`, and the decode engine's answer (streamed or whole) goes to the
+client.
+
+The decode engine is chosen first, because whether to do step 1 at all depends on it:
+- a batch of prompts is served by the decode engine alone (one set of params cannot describe
+  several prompts): `decode_only_fallback`;
+- a prompt estimated under `disagg_min_tokens` skips step 1: `skipped_short`;
+- a prompt whose blocks the decode engine mostly holds already skips step 1: `skipped_cached`;
+- no prefill engine available, or every prefill attempt failed: `on_no_prefill` decides,
+  `decode` serves it on the decode engine alone (`decode_only_fallback`), `fail` answers 503
+  (`failed`);
+- otherwise `disaggregated`. Every request counts exactly one outcome in
+  `baton:router_disagg_decisions_total`: the router never falls back silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+
+from baton.router.engines import DECODE_ROLES, PREFILL_ROLES
+from baton.router.errors import RouterError
+from baton.router.metrics import DisaggOutcome
+
+if TYPE_CHECKING:
+    from baton.router.engines import EngineState
+    from baton.router.router import Routed, Router
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_body(route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Step 1's request: the original, computing the prompt and one token, kept for a reader."""
+    out = dict(body)
+    out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    if route == "/v1/chat/completions":
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    if out.get("min_tokens"):
+        out["min_tokens"] = 0  # min_tokens > max_tokens would be a 400
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Step 2's request: the original, reading its prompt's KV blocks from the prefill engine."""
+    return {**body, "kv_transfer_params": {**params, "do_remote_prefill": True}}
+
+
+class Handoff:
+    """Serves the requests of disaggregated models for one `Router`."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.config = router.config
+
+    async def serve(self, routed: Routed) -> Response:
+        router, config = self.router, self.config
+        decode = router.choose(routed, DECODE_ROLES, router.decode_policy)
+        if decode is None:
+            self._count("failed", routed, "no decode engine")
+            raise RouterError(503, f"no healthy decode engine serves the model `{routed.model}`")
+        prompt = routed.prompt
+        if prompt.num_prompts > 1:
+            return await self._decode(routed, decode, "decode_only_fallback", "a batch of prompts")
+        if prompt.estimated_tokens(config.chars_per_token) < config.disagg_min_tokens:
+            return await self._decode(routed, decode, "skipped_short", "short prompt")
+        if self._cached_fraction(routed, decode) >= config.disagg_cached_fraction:
+            return await self._decode(routed, decode, "skipped_cached", "cached on decode")
+        if not router.engines.available(routed.model, PREFILL_ROLES):
+            return await self._no_prefill(
+                routed, decode, f"no healthy prefill engine serves the model `{routed.model}`"
+            )
+        try:
+            answer = await router.upstream.send(
+                routed.route,
+                router.picker(routed, PREFILL_ROLES, router.prefill_policy),
+                json.dumps(prefill_body(routed.route, routed.body)).encode(),
+                routed.headers,
+                stream=False,
+                none_available=f"no healthy prefill engine serves the model `{routed.model}`",
+            )
+        except RouterError as e:
+            if e.status == 503:
+                return await self._no_prefill(routed, decode, f"prefill failed: {e.message}")
+            self._count("failed", routed, e.message)
+            raise
+        if answer.status != 200:  # the prompt itself is bad: the client must hear why
+            self._count("failed", routed, f"prefill answered {answer.status}")
+            return router.upstream.response(answer, routed.route, routed.started)
+        params = _kv_transfer_params(answer.body)
+        if params is None:
+            logger.warning(
+                "prefill engine %s answered without kv_transfer_params; is it a prefill engine?",
+                answer.engine.url,
+            )
+            return await self._decode(
+                routed, decode, "decode_only_fallback", "prefill answer without params"
+            )
+        self._count("disaggregated", routed, answer.engine.url)
+        return await router.forward(
+            routed,
+            DECODE_ROLES,
+            router.decode_policy,
+            json.dumps(decode_body(routed.body, params)).encode(),
+            none_available=f"no healthy decode engine serves the model `{routed.model}`",
+            first=decode,
+            extra_headers={"x-baton-prefill-engine": answer.engine.url},
+        )
+
+    def _cached_fraction(self, routed: Routed, decode: EngineState) -> float:
+        hashes = routed.prompt.block_hashes(self.config.prefix_block_chars)
+        if not hashes:
+            return 0.0
+        matched = self.router.index.match(hashes, (decode.url,))
+        return matched.get(decode.url, 0) / len(hashes)
+
+    async def _no_prefill(self, routed: Routed, decode: EngineState, why: str) -> Response:
+        if self.config.on_no_prefill == "decode":
+            return await self._decode(routed, decode, "decode_only_fallback", why)
+        self._count("failed", routed, why)
+        raise RouterError(503, f"{why} (the router runs with --on-no-prefill=fail)")
+
+    async def _decode(
+        self, routed: Routed, decode: EngineState, outcome: DisaggOutcome, why: str
+    ) -> Response:
+        """The request on the decode engine alone, which computes the prompt itself."""
+        self._count(outcome, routed, why)
+        return await self.router.forward(
+            routed,
+            DECODE_ROLES,
+            self.router.decode_policy,
+            routed.raw,
+            none_available=f"no healthy decode engine serves the model `{routed.model}`",
+            first=decode,
+        )
+
+    def _count(self, outcome: DisaggOutcome, routed: Routed, why: str) -> None:
+        self.router.metrics.disagg_decision(outcome)
+        if outcome != "disaggregated":
+            logger.debug("%s %s: %s (%s)", routed.route, routed.model, outcome, why)
+
+
+def _kv_transfer_params(body: bytes | None) -> dict[str, Any] | None:
+    try:
+        params = json.loads(body or b"").get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        return None
+    return params if isinstance(params, dict) and params else None

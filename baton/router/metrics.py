@@ -1,0 +1,149 @@
+"""The router's Prometheus metrics (`GET /metrics`), all under `baton:router_*`.
+
+Counters and histograms are fed as requests pass; per-engine gauges (in flight, healthy, load)
+are read from the `EngineSet` at scrape time. Each router has its own registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from baton.router.engines import EngineSet
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+DisaggOutcome = Literal[
+    "disaggregated", "skipped_short", "skipped_cached", "decode_only_fallback", "failed"
+]
+DISAGG_OUTCOMES: tuple[DisaggOutcome, ...] = (
+    "disaggregated",
+    "skipped_short",
+    "skipped_cached",
+    "decode_only_fallback",
+    "failed",
+)
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0, 600.0]  # fmt: skip
+
+
+class _EngineGauges(Collector):
+    """Per-engine gauges, read from the engine set when scraped."""
+
+    def __init__(self, engines: EngineSet) -> None:
+        self._engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["engine", "role"]
+        in_flight = GaugeMetricFamily(
+            "baton:router_in_flight", "Requests this router has open on the engine.", labels=labels
+        )
+        healthy = GaugeMetricFamily(
+            "baton:router_engine_healthy",
+            "1 when the engine may take requests (healthy and not ejected).",
+            labels=labels,
+        )
+        load = GaugeMetricFamily(
+            "baton:router_engine_load",
+            "The engine's running + waiting requests as the router estimates them.",
+            labels=labels,
+        )
+        now = time.monotonic()
+        for s in self._engines:
+            key = [s.url, s.role]
+            in_flight.add_metric(key, s.in_flight)
+            healthy.add_metric(key, 1.0 if s.available(now) else 0.0)
+            load.add_metric(key, s.load())
+        yield in_flight
+        yield healthy
+        yield load
+
+
+class RouterMetrics:
+    """The router's metrics; `render()` is the body of `GET /metrics`."""
+
+    def __init__(self, engines: EngineSet) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.registry.register(_EngineGauges(engines))
+        self._requests = Counter(
+            "baton:router_requests",
+            "Requests answered by the router, by route and HTTP status.",
+            ["route", "code"],
+            registry=reg,
+        )
+        self._retries = Counter(
+            "baton:router_retries",
+            "Requests sent again to another engine after a failure before the first byte.",
+            ["route"],
+            registry=reg,
+        )
+        self._upstream_errors = Counter(
+            "baton:router_upstream_errors",
+            "Failed requests to an engine (connection, timeout, 5xx, broken stream).",
+            ["engine", "kind"],
+            registry=reg,
+        )
+        self._ejections = Counter(
+            "baton:router_ejections",
+            "Times an engine was taken out of rotation by failed requests or health checks.",
+            ["engine"],
+            registry=reg,
+        )
+        disagg = Counter(
+            "baton:router_disagg_decisions",
+            "How each request to a disaggregated model was served.",
+            ["outcome"],
+            registry=reg,
+        )
+        self._disagg = {o: disagg.labels(o) for o in DISAGG_OUTCOMES}
+        duration = Histogram(
+            "baton:router_request_duration_seconds",
+            "From the request's arrival to the end of its response, by route.",
+            ["route"],
+            registry=reg,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self._duration = {r: duration.labels(r) for r in ROUTES}
+        first_byte = Histogram(
+            "baton:router_time_to_first_byte_seconds",
+            "From the request's arrival to the first byte of the answering engine, by route.",
+            ["route"],
+            registry=reg,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self._first_byte = {r: first_byte.labels(r) for r in ROUTES}
+
+    def request(self, route: str, code: int) -> None:
+        self._requests.labels(route, str(code)).inc()
+
+    def retry(self, route: str) -> None:
+        self._retries.labels(route).inc()
+
+    def upstream_error(self, engine: str, kind: str) -> None:
+        self._upstream_errors.labels(engine, kind).inc()
+
+    def ejection(self, engine: str) -> None:
+        self._ejections.labels(engine).inc()
+
+    def disagg_decision(self, outcome: DisaggOutcome) -> None:
+        self._disagg[outcome].inc()
+
+    def duration(self, route: str, seconds: float) -> None:
+        histogram = self._duration.get(route)
+        if histogram is not None:
+            histogram.observe(seconds)
+
+    def first_byte(self, route: str, seconds: float) -> None:
+        histogram = self._first_byte.get(route)
+        if histogram is not None:
+            histogram.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,129 @@
+"""How the router picks one engine among the candidates of a role: round-robin, least-load,
+prefix-aware, and session affinity on top of any of them.
+
+A policy is given only available candidates (never an empty list) and returns one of them; it
+does no I/O. Ties are broken by a rotating counter, so equal engines share the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol
+
+from baton.router.config import PolicyName
+from baton.router.engines import EngineState
+from baton.router.prefix_index import PrefixIndex
+from baton.router.prompts import Prompt
+
+# prefix-aware: extra load that cancels a full prefix match is `prefix_load_weight` times
+# (the least loaded candidate's load + LOAD_SLACK), so an idle cluster tolerates 8 extra
+# requests on the engine holding a prompt's prefix, and a busy one proportionally more.
+LOAD_SLACK = 8.0
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
+        """One of `candidates` (non-empty) for a request with `prompt`."""
+        ...
+
+
+class _Rotation:
+    """A counter for taking turns among equals."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def take(self, candidates: Sequence[EngineState]) -> EngineState:
+        choice = candidates[self._next % len(candidates)]
+        self._next += 1
+        return choice
+
+
+class RoundRobin:
+    """Each candidate in turn."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
+        return self._rotation.take(candidates)
+
+
+class LeastLoad:
+    """The candidate with the fewest running + waiting requests (scraped, corrected by the
+    router's own in-flight counts since the scrape)."""
+
+    name = "least-load"
+
+    def __init__(self) -> None:
+        self._rotation = _Rotation()
+
+    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
+        least = min(s.load() for s in candidates)
+        return self._rotation.take([s for s in candidates if s.load() == least])
+
+
+class PrefixAware:
+    """The candidate with the best prefix match in the index, scored against load.
+
+    score = matched blocks / prompt blocks - weight * (load - least load) / (least load + 8).
+    With no match anywhere this is least-load, ties going to the engine whose cache (as indexed)
+    holds the least; with a match, the holder keeps the prompt's family until it is clearly
+    busier than the others.
+    """
+
+    name = "prefix-aware"
+
+    def __init__(self, index: PrefixIndex, block_chars: int, load_weight: float) -> None:
+        self.index = index
+        self.block_chars = block_chars
+        self.load_weight = load_weight
+        self._rotation = _Rotation()
+
+    def scores(self, candidates: Sequence[EngineState], prompt: Prompt) -> list[float]:
+        hashes = prompt.block_hashes(self.block_chars)
+        matched = self.index.match(hashes, (s.url for s in candidates)) if hashes else {}
+        loads = [s.load() for s in candidates]
+        least = min(loads)
+        scale = least + LOAD_SLACK
+        return [
+            matched.get(s.url, 0) / max(1, len(hashes)) - self.load_weight * (load - least) / scale
+            for s, load in zip(candidates, loads, strict=True)
+        ]
+
+    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
+        scores = self.scores(candidates, prompt)
+        best = max(scores)
+        top = [s for s, x in zip(candidates, scores, strict=True) if x == best]
+        if len(top) > 1:
+            # A prompt no engine holds (a new family): the engine whose cache holds the least
+            # keeps families spread over the caches instead of piling them on one by chance.
+            least = min(self.index.num_blocks(s.url) for s in top)
+            top = [s for s in top if self.index.num_blocks(s.url) == least]
+        return self._rotation.take(top)
+
+
+def session_choice(candidates: Sequence[EngineState], session_id: str) -> EngineState:
+    """The candidate a session sticks to: rendezvous hashing on (session, engine URL), so the
+    choice is the same in every router replica and moves only when that engine goes away."""
+
+    def weight(state: EngineState) -> bytes:
+        key = f"{session_id}\0{state.url}".encode()
+        return hashlib.blake2b(key, digest_size=8).digest()
+
+    return max(candidates, key=weight)
+
+
+def make_policy(name: PolicyName, index: PrefixIndex, block_chars: int, weight: float) -> Policy:
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "least-load":
+        return LeastLoad()
+    if name == "prefix-aware":
+        return PrefixAware(index, block_chars, weight)
+    raise ValueError(f"unknown policy {name!r}")

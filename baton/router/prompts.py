@@ -1,0 +1,99 @@
+"""What the router reads from a generation request without a tokenizer: the prompt as text or
+token ids, an estimate of its length in tokens, and its approximate block hashes.
+
+The router never tokenizes (that would mean loading every model's tokenizer, and it must not
+import engine code), so a "block" here is a run of `block_chars` characters, or of
+`TOKEN_BLOCK` ids for a prompt given as token ids, and each block's hash chains its parent's,
+as the engines' prefix cache does. Two prompts that share their first k blocks here share about
+k * block_chars characters, so they share most of the engine blocks covering them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TOKEN_BLOCK = 16  # ids per block of a prompt given as token ids (the engines' block size)
+
+
+@dataclass
+class Prompt:
+    """One request's prompt, as far as routing needs it."""
+
+    text: str | None = None  # the prompt (or the rendered chat) as text, when it is text
+    token_ids: list[int] | None = None  # the prompt as token ids, when it came as ids
+    num_prompts: int = 1  # a completions batch has several; routing reads the first
+    num_messages: int = 0  # chat messages (each adds a few template tokens)
+    _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def estimated_tokens(self, chars_per_token: float) -> int:
+        """Exact for token ids; characters / `chars_per_token` (+ 4 per chat message) for text."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        return int(len(self.text or "") / chars_per_token) + 4 * self.num_messages
+
+    def block_hashes(self, block_chars: int) -> list[int]:
+        """Chained hashes of the prompt's full blocks, first block first (cached per size)."""
+        hashes = self._hashes.get(block_chars)
+        if hashes is None:
+            hashes = self._compute(block_chars)
+            self._hashes[block_chars] = hashes
+        return hashes
+
+    def _compute(self, block_chars: int) -> list[int]:
+        hashes: list[int] = []
+        parent = 0
+        if self.token_ids is not None:
+            ids = self.token_ids
+            for start in range(0, len(ids) - TOKEN_BLOCK + 1, TOKEN_BLOCK):
+                parent = hash((parent, tuple(ids[start : start + TOKEN_BLOCK])))
+                hashes.append(parent)
+            return hashes
+        text = self.text or ""
+        for start in range(0, len(text) - block_chars + 1, block_chars):
+            parent = hash((parent, text[start : start + block_chars]))
+            hashes.append(parent)
+        return hashes
+
+
+def _chat_text(messages: Any) -> tuple[str, int]:
+    """The messages as one string in template order (role, then content), and their count."""
+    if not isinstance(messages, list):
+        return "", 0
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        parts.append(f"<{message.get('role', '')}>")
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return "".join(parts), len(messages)
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(x, int) for x in value)
+
+
+def prompt_of(body: dict[str, Any]) -> Prompt:
+    """The prompt of a completions (`prompt`) or chat completions (`messages`) request body.
+
+    Malformed prompts give an empty `Prompt`: the engine, not the router, answers the 400.
+    """
+    if "messages" in body:
+        text, count = _chat_text(body["messages"])
+        return Prompt(text=text, num_messages=count)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if isinstance(prompt, list) and _is_ids(prompt):
+        return Prompt(token_ids=list(prompt))
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return Prompt(text=first, num_prompts=len(prompt))
+        if _is_ids(first):
+            return Prompt(token_ids=list(first), num_prompts=len(prompt))
+    return Prompt()

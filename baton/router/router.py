@@ -1,0 +1,328 @@
+"""The router's decisions for one request: which model, which engines may answer it, which one
+goes first (policy, session affinity), and how it is sent on (directly, or through the
+prefill→decode hand-off of `handoff`).
+
+`Router` owns the engine set, the prefix index, the health monitor and the upstream client;
+`app` turns HTTP requests into calls on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from starlette.requests import Request
+from starlette.responses import Response
+
+from baton.router.config import RouterConfig
+from baton.router.discovery import Discovery, Endpoint, Role
+from baton.router.engines import AGGREGATED_ROLES, ALL_ROLES, EngineSet, EngineState
+from baton.router.errors import RouterError
+from baton.router.handoff import Handoff
+from baton.router.health import HealthMonitor
+from baton.router.metrics import RouterMetrics
+from baton.router.policies import Policy, RoundRobin, make_policy, session_choice
+from baton.router.prefix_index import PrefixIndex
+from baton.router.prompts import Prompt, prompt_of
+from baton.router.proxy import Pick, Upstream
+
+logger = logging.getLogger(__name__)
+
+_FORWARDED_HEADERS = ("x-request-id", "authorization")
+
+
+@dataclass
+class Routed:
+    """One generation request as the router reads it."""
+
+    route: str  # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]  # the parsed JSON body
+    raw: bytes  # the body as it came, sent on unchanged when nothing in it changes
+    model: str
+    stream: bool
+    session_id: str | None  # the x-session-id header
+    prompt: Prompt
+    headers: dict[str, str]  # what goes to the engines
+    started: float  # time.perf_counter() at arrival
+    request: Request
+
+
+class Router:
+    """Everything the router knows and decides; one per process."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._session: aiohttp.ClientSession | None = None
+        self.engines = EngineSet()
+        self.index = PrefixIndex(config.prefix_index_blocks)
+        self.metrics = RouterMetrics(self.engines)
+        self.health = HealthMonitor(
+            self.engines, self.session, config, self.metrics, lambda s: self.index.forget(s.url)
+        )
+        self.upstream = Upstream(self.session, self.health, self.metrics, config)
+        block_chars, weight = config.prefix_block_chars, config.prefix_load_weight
+        self.prefill_policy = make_policy(config.prefill_policy, self.index, block_chars, weight)
+        self.decode_policy = make_policy(config.decode_policy, self.index, block_chars, weight)
+        self._any_policy = RoundRobin()
+        self.handoff = Handoff(self)
+        self._discovery: asyncio.Task[None] | None = None
+        self.discovered = asyncio.Event()  # discovery delivered its first set
+
+    # -- lifecycle --
+
+    def session(self) -> aiohttp.ClientSession:
+        """The one connection pool to every engine, made on first use (on the router's loop)."""
+        if self._session is None:
+            config = self.config
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=0),
+                # connect: waiting for a pooled connection included; sock_read: between bytes
+                timeout=aiohttp.ClientTimeout(
+                    total=None,
+                    connect=config.request_timeout,
+                    sock_connect=config.connect_timeout,
+                    sock_read=config.request_timeout,
+                ),
+                auto_decompress=False,  # bodies pass through as the engines sent them
+                trust_env=False,
+            )
+        return self._session
+
+    def start(self, discovery: Discovery) -> None:
+        """Starts following `discovery` (and health-checking what it finds)."""
+        self._discovery = asyncio.create_task(discovery.run(self.on_discovery), name="discovery")
+
+    async def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._discovery
+        await self.health.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def on_discovery(self, endpoints: frozenset[Endpoint]) -> None:
+        added, removed = self.engines.update(endpoints)
+        for state in removed:
+            logger.info("engine %s (%s) removed", state.url, state.role)
+            self.health.unwatch(state)
+        for state in added:
+            logger.info("engine %s (%s) added", state.url, state.role)
+            self.health.watch(state)
+        self.discovered.set()
+
+    def ready(self) -> bool:
+        """Discovery has answered and every known engine has been checked once."""
+        return self.discovered.is_set() and all(s.checked for s in self.engines)
+
+    # -- reading a request --
+
+    async def read(self, route: str, request: Request) -> Routed:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise RouterError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RouterError(400, "the body must be a JSON object")
+        headers = {"content-type": "application/json"}
+        for name in _FORWARDED_HEADERS:
+            value = request.headers.get(name)
+            if value is not None:
+                headers[name] = value
+        return Routed(
+            route=route,
+            body=body,
+            raw=raw,
+            model=self.resolve_model(body.get("model")),
+            stream=bool(body.get("stream", False)),
+            session_id=request.headers.get("x-session-id")
+            if self.config.session_affinity
+            else None,
+            prompt=prompt_of(body),
+            headers=headers,
+            started=time.perf_counter(),
+            request=request,
+        )
+
+    def resolve_model(self, model: object) -> str:
+        """The model a request names; the only one served when it names none."""
+        served = self.engines.models()
+        if model is None:
+            if len(served) == 1:
+                return served[0]
+            raise RouterError(400, f"model is required; this router serves {served}", "model")
+        if not isinstance(model, str) or model not in served:
+            raise RouterError(404, f"The model `{model}` does not exist.", "model")
+        return model
+
+    # -- choosing engines --
+
+    def choose(
+        self,
+        routed: Routed,
+        roles: Collection[Role],
+        policy: Policy,
+        exclude: Collection[str] = (),
+    ) -> EngineState | None:
+        """The engine `policy` (or the session) picks among the available ones of `roles`."""
+        candidates = [
+            s for s in self.engines.available(routed.model, roles) if s.url not in exclude
+        ]
+        if not candidates:
+            return None
+        if routed.session_id is not None:
+            return session_choice(candidates, routed.session_id)
+        return policy.choose(candidates, routed.prompt)
+
+    def picker(
+        self,
+        routed: Routed,
+        roles: Collection[Role],
+        policy: Policy,
+        first: EngineState | None = None,
+    ) -> Pick:
+        """The `Pick` for `Upstream.send`: `first` if given, then the policy's choices. Each
+        pick is remembered in the prefix index: the engine will hold the prompt's blocks."""
+        hashes = routed.prompt.block_hashes(self.config.prefix_block_chars)
+
+        def pick(tried: set[str]) -> EngineState | None:
+            engine: EngineState | None = first
+            if engine is None or engine.url in tried:
+                engine = self.choose(routed, roles, policy, tried)
+            if engine is not None and hashes:
+                self.index.record(engine.url, hashes)
+            return engine
+
+        return pick
+
+    def has_disaggregated(self, model: str) -> bool:
+        """The model has prefill or decode engines (so requests go through the hand-off)."""
+        return bool(self.engines.of_model(model, ("prefill", "decode")))
+
+    # -- sending on --
+
+    async def generate(self, routed: Routed) -> Response:
+        """Answers a completions or chat completions request."""
+        if self.has_disaggregated(routed.model):
+            return await self.handoff.serve(routed)
+        return await self.forward(
+            routed,
+            AGGREGATED_ROLES,
+            self.decode_policy,
+            routed.raw,
+            none_available=f"no healthy engine serves the model `{routed.model}`",
+        )
+
+    async def forward(
+        self,
+        routed: Routed,
+        roles: Collection[Role],
+        policy: Policy,
+        content: bytes,
+        *,
+        none_available: str,
+        first: EngineState | None = None,
+        extra_headers: dict[str, str] | None = None,
+    ) -> Response:
+        """Sends `content` to an engine of `roles` (retrying elsewhere before the first byte)
+        and answers the client with what comes back."""
+        send = self.upstream.send(
+            routed.route,
+            self.picker(routed, roles, policy, first),
+            content,
+            routed.headers,
+            stream=routed.stream,
+            none_available=none_available,
+        )
+        if routed.stream:
+            answer = await send
+        else:  # a client that leaves stops the engine's work (the engine aborts on close)
+            answer = await cancel_on_disconnect(routed.request, send)
+        return self.upstream.response(answer, routed.route, routed.started, extra_headers)
+
+    async def forward_any(self, route: str, request: Request) -> Response:
+        """/tokenize and /detokenize: any available engine of the model."""
+        started = time.perf_counter()
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise RouterError(400, f"the body is not valid JSON: {e}") from None
+        model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
+        roles = ALL_ROLES
+
+        def pick(tried: set[str]) -> EngineState | None:
+            candidates = [s for s in self.engines.available(model, roles) if s.url not in tried]
+            return self._any_policy.choose(candidates, Prompt()) if candidates else None
+
+        answer = await self.upstream.send(
+            route,
+            pick,
+            raw,
+            {"content-type": "application/json"},
+            stream=False,
+            none_available=f"no healthy engine serves the model `{model}`",
+        )
+        return self.upstream.response(answer, route, started)
+
+    def models(self) -> dict[str, Any]:
+        """GET /v1/models: every model of every known engine."""
+        cards: dict[str, dict[str, Any]] = {}
+        for state in self.engines:
+            for model in state.models:
+                card = state.cards.get(model)
+                if model not in cards or (card is not None and "root" not in cards[model]):
+                    cards[model] = card or {"id": model, "object": "model", "owned_by": "baton"}
+        return {"object": "list", "data": [cards[m] for m in sorted(cards)]}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /engines: what the router knows of each engine (for people and tests)."""
+        now = time.monotonic()
+        return [
+            {
+                "url": s.url,
+                "role": s.role,
+                "models": list(s.models),
+                "healthy": s.healthy,
+                "available": s.available(now),
+                "in_flight": s.in_flight,
+                "load": s.load(),
+                "consecutive_failures": s.consecutive_failures,
+                "prefix_index_blocks": self.index.num_blocks(s.url),
+            }
+            for s in self.engines
+        ]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def cancel_on_disconnect(request: Request, work: Any) -> Any:
+    """Awaits `work`, cancelling it if the client disconnects first (then raises ClientGone)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientGone()
+    return task.result()

@@ -1,0 +1,429 @@
+"""`baton serve`: a router and its engines as local processes on one machine.
+
+Starts N prefill and M decode engines (or K aggregated ones) of one model on free ports, waits
+until every engine is healthy while passing their start-up logs through (model load, KV
+sizing), then starts `baton router` in front of them and prints the endpoint with an example.
+Ctrl-C or SIGTERM stops the router, then the engines (each drains), then kills what lingers; a
+second signal kills at once. A process that dies during start-up stops the rest, and the exit
+code is non-zero. Engine and router flags given to `baton serve` are passed on to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from baton.router.cli import add_routing_args
+
+_LOG_TAIL = 40  # lines of a child's output kept for the error report
+_POLL_SECONDS = 0.2
+_PROGRESS_SECONDS = 5.0
+# Engine flags `baton serve` sets itself for each engine.
+_OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _say(message: str) -> None:
+    print(f"[serve] {message}", file=sys.stderr, flush=True)
+
+
+# ---- flags passed through --------------------------------------------------------------------
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    """The engine's own parser (imported here: it loads torch, and only serve needs it)."""
+    from baton.engine.api.server import add_server_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_server_args(parser)
+    return parser
+
+
+def _pass_through(actions: Sequence[argparse.Action], group: argparse._ArgumentGroup) -> None:
+    """Adds copies of `actions` to `group` that leave the namespace alone unless given (so
+    only the flags a user gave are passed on), under dests prefixed `engine__`."""
+    for action in actions:
+        if action.dest in _OWN_ENGINE_FLAGS or not action.option_strings or action.dest == "help":
+            continue
+        kwargs: dict[str, object] = {
+            "dest": f"engine__{action.dest}",
+            "default": argparse.SUPPRESS,
+            "help": action.help,
+        }
+        if isinstance(action, argparse.BooleanOptionalAction):
+            names = [o for o in action.option_strings if not o.startswith("--no-")]
+            group.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)  # type: ignore[arg-type]
+        elif action.nargs == 0:  # store_true
+            group.add_argument(*action.option_strings, action="store_true", **kwargs)  # type: ignore[arg-type]
+        else:
+            group.add_argument(
+                *action.option_strings,
+                type=action.type,  # type: ignore[arg-type]
+                choices=action.choices,
+                metavar=action.metavar or action.dest.upper(),
+                **kwargs,  # type: ignore[arg-type]
+            )
+
+
+def _argv(actions: Sequence[argparse.Action], values: dict[str, object], prefix: str) -> list[str]:
+    """The command-line words that give `values` (by dest, with `prefix`) to `actions`."""
+    words: list[str] = []
+    for action in actions:
+        key = prefix + action.dest
+        if not action.option_strings or key not in values:
+            continue
+        value = values[key]
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:
+            if value:
+                words.append(flag)
+        else:
+            words += [flag, str(value)]
+    return words
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`baton serve`'s flags: its own, the router's (routing group) and the engines'."""
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in one)")
+    parser.add_argument("--prefill", type=int, default=None, help="prefill engines (default 1)")
+    parser.add_argument("--decode", type=int, default=None, help="decode engines (default 1)")
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="aggregated engines (role both); alone, it means no prefill or decode engines",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the router's address")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--stop-timeout", type=float, default=30.0, help="seconds each process gets to stop"
+    )
+    routing = parser.add_argument_group("router (passed to baton router)")
+    add_routing_args(routing)
+    for action in routing._group_actions:
+        action.default = argparse.SUPPRESS
+    engine = parser.add_argument_group("engines (passed to every baton engine)")
+    _pass_through(_engine_parser()._actions, engine)
+
+
+# ---- the plan --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How many engines of which role, and the command-line words for each process."""
+
+    num_prefill: int
+    num_decode: int
+    num_both: int
+    engine_words: tuple[str, ...]  # flags every engine gets
+    router_words: tuple[str, ...]  # routing flags the router gets
+    host: str
+    port: int
+    log_level: str
+
+    def __post_init__(self) -> None:
+        counts = (self.num_prefill, self.num_decode, self.num_both)
+        if min(counts) < 0:
+            raise ValueError(f"engine counts must be >= 0, got {counts}")
+        if sum(counts) == 0:
+            raise ValueError("nothing to serve: give --prefill/--decode or --engines")
+        if (self.num_prefill == 0) != (self.num_decode == 0):
+            raise ValueError(
+                "prefill and decode engines come together (both > 0); for engines that serve "
+                "alone use --engines K"
+            )
+
+
+def plan_from_args(args: argparse.Namespace) -> Plan:
+    values = vars(args)
+    disaggregated = args.prefill is not None or args.decode is not None or not args.engines
+    num_prefill = (1 if args.prefill is None else args.prefill) if disaggregated else 0
+    num_decode = (1 if args.decode is None else args.decode) if disaggregated else 0
+    parser = _engine_parser()
+    if num_prefill or num_decode:
+        roles = next((a.choices for a in parser._actions if a.dest == "role"), None) or ()
+        if "prefill" not in roles:
+            raise ValueError("this engine has no prefill/decode roles yet; use --engines K")
+    engine_words = _argv(parser._actions, values, "engine__")
+    if args.model is not None:
+        engine_words = ["--model", args.model, *engine_words]
+    if "engine__disable_uvicorn_access_log" not in values:
+        engine_words.append("--disable-uvicorn-access-log")
+    routing = argparse.ArgumentParser(add_help=False)
+    add_routing_args(routing)
+    return Plan(
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        num_both=args.engines,
+        engine_words=tuple(engine_words),
+        router_words=tuple(_argv(routing._actions, values, "")),
+        host=args.host,
+        port=args.port,
+        log_level=getattr(args, "log_level", "INFO"),
+    )
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when `baton serve` dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One process `baton serve` started, with its output passed through under its name."""
+
+    name: str
+    url: str
+    argv: list[str]
+    proc: asyncio.subprocess.Process | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=_LOG_TAIL))
+    ready_after: float | None = None
+    _pump: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # our signals reach it from us, in order, not from the tty
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        self._pump = asyncio.create_task(self._pass_output())
+
+    async def _pass_output(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        async for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.tail.append(line)
+            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+    @property
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.returncode is not None
+
+    def signal(self, sig: signal.Signals) -> None:
+        """SIGTERM to the child (an engine stops its own core process); SIGKILL to its whole
+        process group (the core too)."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            if sig == signal.SIGKILL:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float) -> bool:
+        if self.proc is None:
+            return True
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            return False
+        if self._pump is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._pump, 2)
+        return True
+
+
+class Supervisor:
+    """Starts the engines and the router, watches them, stops them."""
+
+    def __init__(self, plan: Plan, startup_timeout: float, stop_timeout: float) -> None:
+        self.plan = plan
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.engines: list[Child] = []
+        self.router: Child | None = None
+        self.stopping = asyncio.Event()
+        self._kill_now = False
+
+    def _baton(self, *words: str) -> list[str]:
+        return [sys.executable, "-m", "baton.cli", "--log-level", self.plan.log_level, *words]
+
+    def _engine(self, role: str, index: int) -> Child:
+        port = _free_port()
+        argv = self._baton(
+            "engine", "--host", "127.0.0.1", "--port", str(port), "--role", role,
+            *self.plan.engine_words,
+        )  # fmt: skip
+        name = f"{'engine' if role == 'both' else role}-{index}"
+        return Child(name, f"http://127.0.0.1:{port}", argv)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            if not await self._start():
+                return 1
+            return await self._watch()
+        finally:
+            await self._stop_all()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stopping.is_set():
+            _say(f"{sig.name} again: killing everything now")
+            self._kill_now = True
+            for child in self._children():
+                child.signal(signal.SIGKILL)
+            return
+        _say(f"{sig.name}: stopping (again to kill at once)")
+        self.stopping.set()
+
+    def _children(self) -> list[Child]:
+        return [*self.engines, *([self.router] if self.router else [])]
+
+    async def _start(self) -> bool:
+        p = self.plan
+        roles = [("prefill", p.num_prefill), ("decode", p.num_decode), ("both", p.num_both)]
+        self.engines = [self._engine(role, i) for role, n in roles for i in range(n)]
+        what = ", ".join(f"{n} {r if r != 'both' else 'aggregated'}" for r, n in roles if n)
+        _say(f"starting {what} engine(s); each loads the model and sizes its KV cache")
+        for child in self.engines:
+            await child.start()
+        if not await self._wait_healthy(self.engines):
+            return False
+        words = ["router", "--host", p.host, "--port", str(p.port), *p.router_words]
+        for child in self.engines:
+            role = {"prefill": "--prefill", "decode": "--decode"}.get(child.name.split("-")[0])
+            words += [role or "--engine", child.url]
+        host = "127.0.0.1" if p.host in ("0.0.0.0", "::") else p.host
+        self.router = Child("router", f"http://{host}:{p.port}", self._baton(*words))
+        _say(f"all engines ready; starting the router on {p.host}:{p.port}")
+        await self.router.start()
+        if not await self._wait_healthy([self.router]):
+            return False
+        await self._banner(self.router.url)
+        return True
+
+    async def _wait_healthy(self, children: list[Child]) -> bool:
+        started = time.monotonic()
+        last_progress = started
+        timeout = aiohttp.ClientTimeout(total=2)
+        async with aiohttp.ClientSession(timeout=timeout) as client:
+            while True:
+                if self.stopping.is_set():
+                    return False
+                for child in children:
+                    if child.exited:
+                        assert child.proc is not None
+                        await child.wait(2)
+                        _say(
+                            f"{child.name} exited with code {child.proc.returncode} during "
+                            f"start-up; stopping everything. Its last lines:\n  "
+                            + "\n  ".join(child.tail)
+                        )
+                        return False
+                    if child.ready_after is None and await _healthy(client, child.url):
+                        child.ready_after = time.monotonic() - started
+                        _say(f"{child.name} ready at {child.url} ({child.ready_after:.1f} s)")
+                waiting = [c.name for c in children if c.ready_after is None]
+                if not waiting:
+                    return True
+                now = time.monotonic()
+                if now - started > self.startup_timeout:
+                    _say(f"not ready after {self.startup_timeout:.0f} s: {', '.join(waiting)}")
+                    return False
+                if now - last_progress > _PROGRESS_SECONDS:
+                    _say(f"waiting for {', '.join(waiting)} ({now - started:.0f} s)")
+                    last_progress = now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), _POLL_SECONDS)
+
+    async def _banner(self, url: str) -> None:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client,
+            client.get(f"{url}/v1/models") as response,
+        ):
+            models = (await response.json())["data"]
+        model = models[0]["id"] if models else "MODEL"
+        example = json.dumps({"model": model, "prompt": "The relay team", "max_tokens": 16})
+        p = self.plan
+        layout = (
+            f"{p.num_prefill} prefill + {p.num_decode} decode"
+            + (f" + {p.num_both} aggregated" if p.num_both else "")
+            if p.num_prefill
+            else f"{p.num_both} aggregated"
+        )
+        print(
+            f"\nBaton is serving `{model}` at {url}/v1 ({layout} engines)\n"
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{example}'\n"
+            f"Metrics: {url}/metrics   Engines: {url}/engines   Ctrl-C stops everything.\n",
+            flush=True,
+        )
+
+    async def _watch(self) -> int:
+        """Until a signal (exit 0) or the router's death (exit 1); engines that die are
+        reported and left to the router's health checks."""
+        reported: set[str] = set()
+        while not self.stopping.is_set():
+            if self.router is not None and self.router.exited:
+                _say("the router exited; stopping the engines")
+                return 1
+            for child in self.engines:
+                if child.exited and child.name not in reported:
+                    reported.add(child.name)
+                    assert child.proc is not None
+                    _say(f"{child.name} exited with code {child.proc.returncode}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), 0.5)
+        return 0
+
+    async def _stop_all(self) -> None:
+        """The router first (no new requests), then the engines (they drain), then SIGKILL."""
+        for group in ([self.router] if self.router else [], self.engines):
+            live = [c for c in group if c.proc is not None and not c.exited]
+            for child in live:
+                child.signal(signal.SIGKILL if self._kill_now else signal.SIGTERM)
+            for child in live:
+                if not await child.wait(self.stop_timeout):
+                    _say(f"{child.name} did not stop in {self.stop_timeout:.0f} s; killing it")
+                    child.signal(signal.SIGKILL)
+                    await child.wait(5)
+        if self.engines or self.router:
+            _say("stopped")
+
+
+async def _healthy(client: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with client.get(f"{url}/health") as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    """`baton serve`: until Ctrl-C or SIGTERM; non-zero when start-up failed."""
+    plan = plan_from_args(args)
+    supervisor = Supervisor(plan, args.startup_timeout, args.stop_timeout)
+    return asyncio.run(supervisor.run())

@@ -1,0 +1,20 @@
+"""Fixtures of the router's tests: a cluster of fake engines, stopped after each test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.register_assert_rewrite("tests.router.harness")
+
+from tests.router.harness import FakeCluster  # noqa: E402
+
+
+@pytest.fixture
+def cluster() -> Iterator[FakeCluster]:
+    c = FakeCluster()
+    try:
+        yield c
+    finally:
+        c.stop()

@@ -1,0 +1,84 @@
+"""Choosing an engine: round-robin, least-load with in-flight correction, prefix-aware against
+load, and session affinity."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from baton.router.discovery import Endpoint
+from baton.router.engines import EngineState
+from baton.router.policies import LeastLoad, PrefixAware, RoundRobin, session_choice
+from baton.router.prefix_index import PrefixIndex
+from baton.router.prompts import Prompt, prompt_of
+
+
+def _engines(n: int) -> list[EngineState]:
+    return [EngineState(Endpoint(f"http://e{i}:8000", "both", "m")) for i in range(n)]
+
+
+def test_round_robin_takes_turns() -> None:
+    """Each engine in turn."""
+    engines, policy = _engines(3), RoundRobin()
+    picks = [policy.choose(engines, Prompt()).url for _ in range(6)]
+    assert picks == [e.url for e in engines] * 2
+
+
+def test_least_load_corrects_scrapes_by_in_flight_counts() -> None:
+    """The scraped load is corrected by requests sent and finished since the scrape."""
+    a, b = _engines(2)
+    a.scraped_load, b.scraped_load = 5, 0
+    assert LeastLoad().choose([a, b], Prompt()) is b
+    b.in_flight = 10  # sent since the scrape (which saw 0 in flight)
+    assert b.load() == 10 and LeastLoad().choose([a, b], Prompt()) is a
+    a.in_flight_at_scrape = 5  # a's 5 were the router's own, and they have finished
+    assert a.load() == 0
+
+
+def test_least_load_shares_ties() -> None:
+    """Equally loaded engines share the work."""
+    engines, policy = _engines(2), LeastLoad()
+    assert Counter(policy.choose(engines, Prompt()).url for _ in range(4)) == {
+        "http://e0:8000": 2,
+        "http://e1:8000": 2,
+    }
+
+
+def test_prefix_aware_keeps_families_together_and_spreads_new_ones() -> None:
+    """Prompts sharing a system prompt go where it was sent; new system prompts spread."""
+    engines = _engines(4)
+    index = PrefixIndex(1000)
+    policy = PrefixAware(index, block_chars=64, load_weight=1.0)
+    placed: dict[int, str] = {}
+    for user in range(3):
+        for family in range(8):
+            prompt = prompt_of({"prompt": f"system {family} " * 30 + f"user {user}"})
+            choice = policy.choose(engines, prompt)
+            index.record(choice.url, prompt.block_hashes(64))
+            assert placed.setdefault(family, choice.url) == choice.url
+    assert Counter(placed.values()) == {e.url: 2 for e in engines}
+
+
+def test_prefix_aware_gives_way_to_load() -> None:
+    """The engine holding a prefix loses it to an idle engine once clearly overloaded."""
+    a, b = _engines(2)
+    index = PrefixIndex(1000)
+    policy = PrefixAware(index, block_chars=64, load_weight=1.0)
+    prompt = prompt_of({"prompt": "shared " * 40})
+    index.record(a.url, prompt.block_hashes(64))
+    a.scraped_load = 4
+    assert policy.choose([a, b], prompt) is a
+    a.scraped_load = 12  # 12 more than b over a slack of 8: worse than a full match is worth
+    assert policy.choose([a, b], prompt) is b
+
+
+def test_session_affinity_is_stable_and_moves_only_when_its_engine_goes() -> None:
+    """A session sticks to one engine; removing another engine leaves it in place."""
+    engines = _engines(4)
+    homes = {s: session_choice(engines, f"session-{s}") for s in range(40)}
+    assert len(set(homes.values())) == 4
+    assert all(session_choice(engines, f"session-{s}") is homes[s] for s in range(40))
+    gone = engines[0]
+    rest = engines[1:]
+    for s, home in homes.items():
+        if home is not gone:
+            assert session_choice(rest, f"session-{s}") is home

@@ -1,0 +1,276 @@
+"""End to end through `baton serve` with the `openai` client: a router with real prefill and
+decode engines (or aggregated ones) of the tiny model, each a process on a free port."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from baton import serve
+from baton.engine.api.server import add_server_args
+from tests.router.harness import free_port, scrape
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_FLAGS = ("--max-model-len", "512", "--num-gpu-blocks-override", "256")
+PROMPT = "The relay team passes the baton in a marked zone, and the next runner"
+
+
+def _has_roles() -> bool:
+    """The engine's --role flag offers prefill (it did not before the KV connector)."""
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    role = next((a for a in parser._actions if a.dest == "role"), None)
+    return role is not None and "prefill" in (role.choices or ())
+
+
+needs_roles = pytest.mark.skipif(
+    not _has_roles(), reason="the engine has no --role prefill|decode yet"
+)
+
+
+class Serve:
+    """`baton serve ...` in a process; its output goes to a log file."""
+
+    def __init__(self, log: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "serve",
+                 "--port", str(self.port), *flags],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+            )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"serve exited early:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"serve not ready after {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def engines(self) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.url}/engines").json()["engines"])
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+
+def _engine_pid(url: str) -> int:
+    """The process of the engine serving `url` (its own process group, started by serve)."""
+    port = url.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"engine" in words and port.encode() in words:
+                return int(entry.name)
+    raise AssertionError(f"no engine process for {url}")
+
+
+def _completion(url: str, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "return_token_ids": True, **extra}  # fmt: skip
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.fixture(scope="module")
+def disaggregated(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """1 prefill + 2 decode engines, decode-only service when no prefill engine is left."""
+    if not _has_roles():
+        pytest.skip("the engine has no --role prefill|decode yet")
+    model = Path(tiny_model("llama"))
+    s = Serve(
+        tmp_path_factory.mktemp("serve") / "serve.log",
+        "--model", str(model), "--served-model-name", "tiny", "--prefill", "1", "--decode", "2",
+        "--policy", "round-robin", "--on-no-prefill", "decode", "--eject-seconds", "1",
+        *ENGINE_FLAGS,
+    )  # fmt: skip
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+@needs_roles
+def test_disaggregated_answers_equal_a_single_engines(disaggregated: Serve) -> None:
+    """Greedy answers through prefill→decode equal the decode engine's own, token for token,
+    for completions and chats, and each request was disaggregated."""
+    decode_url = next(e["url"] for e in disaggregated.engines() if e["role"] == "decode")
+    before = scrape(
+        disaggregated.url, "baton:router_disagg_decisions_total", outcome="disaggregated"
+    )
+    for i in range(2):
+        prompt = f"{i}: {PROMPT}"
+        via = _completion(disaggregated.url, prompt)
+        alone = _completion(decode_url, prompt)
+        assert via["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        assert len(via["choices"][0]["token_ids"]) == 12
+    client = disaggregated.client()
+    messages: Any = [{"role": "user", "content": f"chat: {PROMPT}"}]
+    via_chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+    )
+    alone_chat = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="none").chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+    )
+    assert via_chat.choices[0].message.content == alone_chat.choices[0].message.content
+    after = scrape(
+        disaggregated.url, "baton:router_disagg_decisions_total", outcome="disaggregated"
+    )
+    assert after - before == 3
+
+
+@needs_roles
+def test_streaming_through_serve(disaggregated: Serve) -> None:
+    """A streamed completion arrives in pieces and equals the whole answer, with usage."""
+    whole = _completion(disaggregated.url, f"stream: {PROMPT}")["choices"][0]["text"]
+    stream = disaggregated.client().completions.create(
+        model="tiny", prompt=f"stream: {PROMPT}", max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) > 1 and "".join(texts) == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+@needs_roles
+def test_killing_engines_mid_run(disaggregated: Serve) -> None:
+    """Kill one of two decode engines during streams: no request hangs, new requests go to the
+    other. Then kill the prefill engine: requests are served decode-only, and counted.
+    (Runs last in this module: it kills engines of the shared deployment.)"""
+    url = disaggregated.url
+    decodes = [e["url"] for e in disaggregated.engines() if e["role"] == "decode"]
+    victim, survivor = decodes
+
+    async def streams() -> list[str]:
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def one(i: int) -> str:
+                body = {"model": "tiny", "prompt": f"{i} {PROMPT}", "max_tokens": 200,
+                        "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
+                return lines[-1]
+
+            tasks = [asyncio.create_task(one(i)) for i in range(4)]
+            await asyncio.sleep(1.0)
+            os.killpg(_engine_pid(victim), signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    assert asyncio.run(streams()) == ["data: [DONE]"] * 4  # each ended, none hangs
+    for i in range(4):
+        body = {"model": "tiny", "prompt": f"after {i} {PROMPT}", "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-baton-engine"] == survivor
+    prefill = next(e["url"] for e in disaggregated.engines() if e["role"] == "prefill")
+    fallback = "baton:router_disagg_decisions_total"
+    before = scrape(url, fallback, outcome="decode_only_fallback")
+    os.killpg(_engine_pid(prefill), signal.SIGKILL)
+    for i in range(3):
+        answer = _completion(url, f"no prefill {i}: {PROMPT}")
+        assert len(answer["choices"][0]["token_ids"]) == 12
+    assert scrape(url, fallback, outcome="decode_only_fallback") - before == 3
+
+
+def test_aggregated_engines_serve_and_stop_cleanly(tiny_model: Any, tmp_path: Path) -> None:
+    """`baton serve --engines 1`: answers equal the engine's own; SIGINT stops every process
+    it started (the engines' core processes too) and exits 0."""
+    model = Path(tiny_model("llama"))
+    s = Serve(tmp_path / "serve.log", "--model", str(model), "--served-model-name", "tiny",
+              "--engines", "1", *ENGINE_FLAGS)  # fmt: skip
+    try:
+        s.wait_ready()
+        (engine,) = s.engines()
+        assert engine["role"] == "both"
+        via, alone = _completion(s.url), _completion(engine["url"])
+        assert via["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        pid = _engine_pid(engine["url"])
+        assert "Baton is serving `tiny`" in s.log() and "curl -s" in s.log()
+    finally:
+        code = s.stop()
+    assert code == 0, s.log()
+    assert not Path(f"/proc/{pid}").exists()
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_child_of(p, pid)]
+    assert leftovers == []
+
+
+def _is_child_of(entry: Path, pid: int) -> bool:
+    try:
+        return int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def test_an_engine_failing_at_start_up_stops_everything(tmp_path: Path) -> None:
+    """An engine that cannot start ends `baton serve` with a non-zero code and its error."""
+    s = Serve(tmp_path / "serve.log", "--engines", "2", "--max-model-len", "0")
+    assert s.proc.wait(120) != 0
+    log = s.log()
+    assert "exited with code" in log and "during start-up" in log and "max_model_len" in log
+
+
+def test_serve_flags_reach_the_router_and_the_engines() -> None:
+    """Routing flags go to the router, engine flags to each engine, and only those given."""
+    parser = argparse.ArgumentParser()
+    serve.add_args(parser)
+    args = parser.parse_args(
+        ["--decode", "2", "--policy", "least-load", "--disagg-min-tokens", "64",
+         "--max-model-len", "256", "--no-enable-prefix-caching", "--served-model-name", "m"]
+    )  # fmt: skip
+    plan = serve.plan_from_args(args)
+    assert (plan.num_prefill, plan.num_decode, plan.num_both) == (1, 2, 0)
+    assert plan.router_words == ("--policy", "least-load", "--disagg-min-tokens", "64")
+    assert set(plan.engine_words) == {
+        "--max-model-len", "256", "--no-enable-prefix-caching", "--served-model-name", "m",
+        "--disable-uvicorn-access-log",
+    }  # fmt: skip
+    aggregated = serve.plan_from_args(parser.parse_args(["--engines", "3"]))
+    assert (aggregated.num_prefill, aggregated.num_decode, aggregated.num_both) == (0, 0, 3)
+    with pytest.raises(ValueError, match="come together"):
+        serve.plan_from_args(parser.parse_args(["--prefill", "0", "--decode", "1"]))
