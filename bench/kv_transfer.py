@@ -1,4 +1,4 @@
-"""KV transfer benchmark: GB/s of the TCP block transport between two processes.
+"""KV transfer benchmark: GB/s of the TCP and NIXL block transports between two processes.
 
 Moves 1, 16, 256 and 4096 blocks of the ``small`` model's KV cache (4 layers, 4 KV heads, head_dim
 32, block 16, float32: 64 KiB per block) from a block server in a spawned child process into this
@@ -9,6 +9,12 @@ transport and the raw socket) and warm (the transport through a ``KVConnectionPo
 socket over one already-open connection). Also reports the crc32/adler32 cost.
 Aim (issue 4): TCP >= 0.8x the raw socket for transfers of 1 MiB and more.
 
+Where a NIXL package imports, a second table times ``NixlTransport.read`` (side-channel lookup,
+one READ of the coalesced regions, crc32 of every received block, DONE) with the remote agent
+already known, beside the bare NIXL READ of the same bytes and the same memcpy, as ratios. UCX
+picks its transports from the environment (``UCX_TLS``; shared memory between two processes here).
+Aim (issue 4): NIXL over shared memory >= 0.8x memcpy.
+
     python bench/kv_transfer.py [--json out/kv_transfer.json]
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import socket
 import struct
 import sys
@@ -29,8 +36,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill
 from baton.kv_transfer.tcp import KVBlockServer, block_bytes
 from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks
+
+try:
+    from baton.kv_transfer.nixl import NixlTransport, paired_runs
+except ImportError as exc:  # the NIXL table is left out
+    NixlTransport = None  # type: ignore[assignment,misc]
+    NIXL_MISSING = str(exc)
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 32, 16
 NUM_BLOCKS = 4096
@@ -56,7 +70,15 @@ def _child(port_q: Any, stop: Any) -> None:
     kv_port = srv.start()
     raw = socket.create_server(("127.0.0.1", 0))
     raw.settimeout(0.1)
-    port_q.put((kv_port, raw.getsockname()[1]))
+    nixl = None
+    if NixlTransport is not None:
+        nixl = NixlTransport(KVTransferConfig(role="prefill", transport="nixl"))
+        nixl_port = nixl.start(cache)
+        for n in SIZES:
+            for i in range(REPEATS[n] + 1):
+                nixl.lease(f"nixl-{n}-{i}", list(range(n)), time.time() + 600)
+    nixl_peer = (nixl_port, nixl.config.engine_id) if nixl is not None else None
+    port_q.put((kv_port, raw.getsockname()[1], nixl_peer))
     flat = memoryview(cache.view(-1).view(torch.uint8).numpy().data)
     while not stop.is_set():
         try:
@@ -71,6 +93,8 @@ def _child(port_q: Any, stop: Any) -> None:
                 conn.recv(1)
     raw.close()
     srv.stop()
+    if nixl is not None:
+        nixl.stop()
 
 
 def raw_connect(port: int) -> socket.socket:
@@ -168,6 +192,50 @@ def measure(
     }
 
 
+def measure_nixl(
+    n: int, reader: Any, peer: tuple[int, str], local: torch.Tensor, src: torch.Tensor
+) -> dict[str, Any]:
+    """One row: n blocks through NixlTransport.read, and the bare NIXL READ of the same bytes."""
+    nbytes = n * block_bytes(local)
+    ids = list(range(n))
+    port, engine = peer
+
+    def kv(i: int) -> None:
+        rid = f"nixl-{n}-{i + 1}"
+        remote = RemotePrefill(
+            engine, "127.0.0.1", port, rid, ids, n * BLOCK_SIZE, time.time() + 60
+        )
+        res = reader.read(LoadSpec(rid, remote, ids, ids, 30.0), time.monotonic() + 30)
+        if not res.ok:
+            raise RuntimeError(res.error)
+
+    def bare(i: int) -> None:
+        # The transport's own READ step alone: no lookup, no checksum, no DONE.
+        the_peer = reader._peers[("127.0.0.1", port)]
+        error = reader._transfer(
+            the_peer, paired_runs(ids, ids), block_bytes(local), time.monotonic() + 30
+        )
+        if error is not None:
+            raise RuntimeError(error)
+
+    def memcpy(i: int) -> None:
+        local[:n].copy_(src[:n])
+
+    t_kv = timed(kv, REPEATS[n])
+    t_bare = timed(bare, REPEATS[n])
+    t_mem = timed(memcpy, REPEATS[n])
+    return {
+        "blocks": n,
+        "bytes": nbytes,
+        "nixl_gbps": nbytes / t_kv / 1e9,
+        "nixl_read_only_gbps": nbytes / t_bare / 1e9,
+        "memcpy_gbps": nbytes / t_mem / 1e9,
+        "nixl_vs_memcpy": t_mem / t_kv,
+        "nixl_read_only_vs_memcpy": t_mem / t_bare,
+        "nixl_median_s": t_kv,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -178,15 +246,24 @@ def main() -> None:
     child = ctx.Process(target=_child, args=(port_q, stop), daemon=True)
     child.start()
     rows: list[dict[str, Any]] = []
+    nixl_rows: list[dict[str, Any]] = []
+    reader = None
     try:
-        kv_port, raw_port = port_q.get(timeout=60)
+        kv_port, raw_port, nixl_peer = port_q.get(timeout=60)
         local = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         src = make_cache()
         flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
         for n in SIZES:
             for mode in ("cold", "warm"):
                 rows.append(measure(n, mode, kv_port, raw_port, local, src, flat))
+        if nixl_peer is not None:
+            reader = NixlTransport(KVTransferConfig(role="decode", transport="nixl"))
+            reader.start(local)
+            for n in SIZES:
+                nixl_rows.append(measure_nixl(n, reader, nixl_peer, local, src))
     finally:
+        if reader is not None:
+            reader.stop()
         stop.set()
         child.join(10)
         if child.is_alive():
@@ -204,9 +281,24 @@ def main() -> None:
             f"{r['tcp_vs_memcpy']:>10.2f}"
         )
     print(f"checksum: crc32 {cost['crc32_gbps']:.2f} GB/s, adler32 {cost['adler32_gbps']:.2f} GB/s")
+    if nixl_rows:
+        print(f"\nNIXL (UCX_TLS={os.environ.get('UCX_TLS', 'UCX default')})")
+        print(
+            f"{'blocks':>6} {'MiB':>8} {'nixl GB/s':>10} {'READ GB/s':>10} {'memcpy GB/s':>11} "
+            f"{'nixl/memcpy':>11} {'READ/memcpy':>11}"
+        )
+        for r in nixl_rows:
+            print(
+                f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.3f} {r['nixl_gbps']:>10.2f} "
+                f"{r['nixl_read_only_gbps']:>10.2f} {r['memcpy_gbps']:>11.2f} "
+                f"{r['nixl_vs_memcpy']:>11.2f} {r['nixl_read_only_vs_memcpy']:>11.2f}"
+            )
+    else:
+        print(f"\nNIXL left out: {NIXL_MISSING}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "checksum": cost}, indent=2))
+        out = {"rows": rows, "nixl_rows": nixl_rows, "checksum": cost}
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

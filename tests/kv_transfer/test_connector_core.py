@@ -1,8 +1,10 @@
-"""Two EngineCores in one process, a prefill and a decode engine, hand a prompt's KV over TCP: the
-decode engine's greedy tokens equal a single engine's, and every lease and pull ends."""
+"""Two EngineCores in one process, a prefill and a decode engine, hand a prompt's KV over TCP and
+over NIXL: the decode engine's greedy tokens equal a single engine's, and every lease and pull
+ends."""
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
 
@@ -70,6 +72,17 @@ def model(tiny_model) -> Path:
     return tiny_model("llama")
 
 
+@pytest.fixture(params=["tcp", "nixl"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The KV transport of the disaggregated engines; nixl runs where a NIXL package imports."""
+    if request.param == "nixl":
+        try:
+            importlib.import_module("baton.kv_transfer.nixl")
+        except ImportError as exc:
+            pytest.skip(f"NIXL is not available: {exc}")
+    return str(request.param)
+
+
 def _hand_off(prefill: EngineCore, decode: EngineCore, prompts, decode_params=None):
     pre = _run(
         prefill,
@@ -92,14 +105,19 @@ def _hand_off(prefill: EngineCore, decode: EngineCore, prompts, decode_params=No
     return pre, _run(decode, reqs)
 
 
-def test_disaggregated_equals_single_engine(model: Path) -> None:
+def test_disaggregated_equals_single_engine(model: Path, transport: str) -> None:
     """Prefill on one engine, decode on another: the same greedy tokens as one engine alone; the
     prefill engine's leases are all claimed and its blocks freed."""
     single = _engine(model, None)
     prompts = _prompts()
     want = _run(single, [Request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
-    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    prefill, decode = (
+        _engine(model, "prefill", transport=transport),
+        _engine(model, "decode", transport=transport),
+    )
     try:
+        assert decode.connector_worker and decode.connector_worker.transport
+        assert decode.connector_worker.transport.name == transport  # no silent TCP fallback
         pre, got = _hand_off(prefill, decode, prompts)
         for i in range(len(prompts)):
             assert got[f"d{i}"].new_token_ids == want[f"s{i}"].new_token_ids, i
@@ -115,10 +133,13 @@ def test_disaggregated_equals_single_engine(model: Path) -> None:
         decode.shutdown()
 
 
-def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path) -> None:
+def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path, transport: str) -> None:
     """A prompt whose prefix the decode engine caches pulls only the blocks after it, and a prompt
     it caches entirely pulls nothing but releases the lease at once."""
-    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    prefill, decode = (
+        _engine(model, "prefill", transport=transport),
+        _engine(model, "decode", transport=transport),
+    )
     single = _engine(model, None)
     base = [9 + j % 50 for j in range(21)]
     prompts = [base, [*base, 3, 4, 5, 6, 7, 8, 9]]
@@ -141,10 +162,15 @@ def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path) -> None:
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_restarted_prefill_engine_follows_the_failure_policy(model: Path, policy: str) -> None:
+def test_restarted_prefill_engine_follows_the_failure_policy(
+    model: Path, policy: str, transport: str
+) -> None:
     """Params naming an engine id that is not the one at that address (a restart) are never
     read: recompute gives the single-engine answer, fail ends the request with an error."""
-    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    prefill, decode = (
+        _engine(model, "prefill", transport=transport),
+        _engine(model, "decode", transport=transport),
+    )
     single = _engine(model, None)
     prompt = list(range(10, 40))
     want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
@@ -179,9 +205,9 @@ def test_restarted_prefill_engine_follows_the_failure_policy(model: Path, policy
         decode.shutdown()
 
 
-def test_unclaimed_lease_expires_and_frees_blocks(model: Path) -> None:
+def test_unclaimed_lease_expires_and_frees_blocks(model: Path, transport: str) -> None:
     """Nobody pulls: the lease expires after its time and the prefill engine's blocks return."""
-    prefill = _engine(model, "prefill", lease_seconds=0.3)
+    prefill = _engine(model, "prefill", lease_seconds=0.3, transport=transport)
     try:
         _run(
             prefill,
@@ -204,10 +230,10 @@ def test_unclaimed_lease_expires_and_frees_blocks(model: Path) -> None:
         prefill.shutdown()
 
 
-def test_nothing_listening_recomputes_within_the_timeout(model: Path) -> None:
+def test_nothing_listening_recomputes_within_the_timeout(model: Path, transport: str) -> None:
     """Params pointing at a port where nobody listens: the pull fails fast and the request is
     recomputed locally."""
-    decode = _engine(model, "decode", load_timeout=2.0)
+    decode = _engine(model, "decode", load_timeout=2.0, transport=transport)
     single = _engine(model, None)
     prompt = list(range(50, 70))
     want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
@@ -231,10 +257,13 @@ def test_nothing_listening_recomputes_within_the_timeout(model: Path) -> None:
         decode.shutdown()
 
 
-def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path) -> None:
+def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport: str) -> None:
     """A request aborted in WAITING_FOR_REMOTE_KVS keeps its blocks until the loader is done
     with them, then frees them."""
-    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    prefill, decode = (
+        _engine(model, "prefill", transport=transport),
+        _engine(model, "decode", transport=transport),
+    )
     try:
         pre = _run(
             prefill,

@@ -57,6 +57,36 @@ def single(stack: list[Server]) -> Server:
     return stack[0]
 
 
+@pytest.fixture(params=["tcp", "nixl"])
+def pair(
+    request: pytest.FixtureRequest,
+    stack: list[Server],
+    model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Server, Server]]:
+    """(transport, prefill, decode): the stack's TCP engines, or a NIXL prefill and decode engine
+    started for the hand-off test alone (skipped where NIXL is not installed)."""
+    if request.param == "tcp":
+        yield "tcp", stack[1], stack[2]
+        return
+    pytest.importorskip(
+        "baton.kv_transfer.nixl", reason="NIXL is not installed", exc_type=ImportError
+    )
+    tmp = tmp_path_factory.mktemp("nixl")
+    flags = [("--role", "prefill"), ("--role", "decode", "--kv-load-timeout", "3")]
+    servers = [
+        Server(model, tmp / f"{i}.log", "--block-size", BLOCK, "--kv-transport", "nixl", *f)
+        for i, f in enumerate(flags)
+    ]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield "nixl", servers[0], servers[1]
+    finally:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Server.stop, servers))
+
+
 @pytest.fixture(scope="module")
 def prefill(stack: list[Server]) -> Server:
     return stack[1]
@@ -114,11 +144,12 @@ def _prompts() -> list[list[int]]:
 
 
 def test_disaggregated_answers_equal_the_single_engine(
-    single: Server, prefill: Server, decode: Server
+    single: Server, pair: tuple[str, Server, Server]
 ) -> None:
     """32 prompts of mixed lengths through prefill → pull → decode give the single engine's
-    greedy tokens; the decode engine pulled bytes and recorded no failures; once idle, the prefill
-    engine holds no leased blocks."""
+    greedy tokens, over each transport; the decode engine pulled bytes and recorded no failures;
+    once idle, the prefill engine holds no leased blocks."""
+    transport, prefill, decode = pair
     prompts = _prompts()
     want = [_tokens(_complete(single, p)) for p in prompts]
 
@@ -143,7 +174,7 @@ def test_disaggregated_answers_equal_the_single_engine(
     )
     assert prefill.metrics()["vllm:kv_cache_usage_perc{}"] == 0.0
     health = httpx.get(f"{prefill.url}/health").json()
-    assert (health["role"], health["kv_transport"]) == ("prefill", "tcp")
+    assert (health["role"], health["kv_transport"]) == ("prefill", transport)
 
 
 def test_unclaimed_lease_expires(model: Path, tmp_path: Path) -> None:
