@@ -9,6 +9,7 @@ from baton.engine.worker.attention import ATTENTION_BACKENDS
 from baton.kv_transfer.base import KVTransferConfig
 
 _DEVICES = ("auto", "cpu", "cuda")
+EXECUTOR_BACKENDS = ("uni", "mp")  # in this process; one worker process per rank
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,13 @@ class EngineArgs:
     async_scheduling: bool = False  # schedule step N+1 while step N runs on the device
     # Disaggregated serving: role, transport and leases. None: no KV connector (role "both").
     kv_transfer: KVTransferConfig | None = None
+    tensor_parallel_size: int = 1  # worker processes, one per rank (one per GPU)
+    # "uni": the model in the EngineCore's process; "mp": worker processes. None: uni for
+    # tensor_parallel_size 1, mp above.
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
@@ -56,8 +61,32 @@ class EngineArgs:
             )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
+            )
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend 'uni' runs one process: tensor_parallel_size "
+                f"{self.tensor_parallel_size} needs 'mp'"
+            )
+        if self.kv_transfer is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "the KV connector needs tensor_parallel_size 1 for now (prefill and decode "
+                f"engines cannot run tensor_parallel_size {self.tensor_parallel_size} yet)"
+            )
+        if self.kv_transfer is not None and backend == "mp":
+            raise ValueError("the KV connector needs the in-process executor ('uni') for now")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+
+    @property
+    def executor_backend(self) -> str:
+        """The executor in effect: the one asked for, else by tensor_parallel_size."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.tensor_parallel_size > 1 else "uni"

@@ -1,4 +1,4 @@
-"""EngineCore: owns the scheduler and the model runner; `step()` is one turn of the busy loop."""
+"""EngineCore: owns the scheduler and the executor; `step()` is one turn of the busy loop."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ from pathlib import Path
 import torch
 
 from baton.engine.config import EngineArgs
+from baton.engine.executor import Executor, make_executor
+from baton.engine.executor.base import StepResult
+from baton.engine.executor.uniproc import UniProcExecutor
 from baton.engine.kv_cache.manager import KVCacheConfig, cdiv
 from baton.engine.models.config import ModelConfig, parse_dtype
+from baton.engine.models.tensor_parallel import ShardLayout
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
+from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole
 from baton.kv_transfer.connector import PullConnector
 
@@ -35,6 +39,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 class EngineCore:
+    """Owns the scheduler and the executor (the model's workers, here or in worker processes)."""
+
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.model_path = resolve_model_path(args.model)
@@ -58,7 +64,13 @@ class EngineCore:
             )
             self.max_model_len = mc.sliding_window
         attention = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
-        self.runner = ModelRunner(
+        tp = args.tensor_parallel_size
+        ShardLayout.build(mc, 0, tp)  # a model that does not split says so before any spawn
+        if device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible"
+            )
+        self.executor: Executor = make_executor(
             mc,
             RunnerConfig(
                 device=device,
@@ -68,12 +80,18 @@ class EngineCore:
                 attention_backend=attention,
                 seed=args.seed,
             ),
+            tp,
+            args.executor_backend,
         )
         self.last_step_tokens = 0  # tokens the last step computed (the iteration-tokens metric)
         self.kv_changed = False  # a pull or lease ended since the flag was last cleared
-        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
-        self.num_blocks = self._num_blocks(device)
-        kv_cache = self.runner.allocate_kv_cache(self.num_blocks)
+        self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
+        try:
+            self.num_blocks = self._num_blocks()
+            self.executor.allocate_kv_cache(self.num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         # The connector's two halves: the scheduler's (bookkeeping) and the worker's (the
         # transport, next to the KV tensor). One process holds both, as one GPU's engine does.
         self.connector: PullConnector | None = None
@@ -81,7 +99,8 @@ class EngineCore:
         if args.kv_transfer is not None:
             kvt = args.kv_transfer
             self.connector_worker = PullConnector(kvt, KVConnectorRole.WORKER, args.block_size)
-            self.connector_worker.register_kv_cache(kv_cache)
+            assert self.runner.kv_cache is not None  # EngineArgs allows a connector only here
+            self.connector_worker.register_kv_cache(self.runner.kv_cache)
             self.connector = PullConnector(kvt, KVConnectorRole.SCHEDULER, args.block_size)
             self.connector.port = self.connector_worker.port
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
@@ -100,24 +119,36 @@ class EngineCore:
             self.connector,
         )
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, attention=%s",
+            "engine ready: %s on %s (%s), tensor_parallel_size %d, %d KV blocks of %d tokens, "
+            "attention=%s",
             mc.architecture,
             device,
             dtype,
+            tp,
             self.num_blocks,
             args.block_size,
             attention,
         )
 
-    def _num_blocks(self, device: torch.device) -> int:
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process model runner; only the 'uni' executor has one."""
+        if not isinstance(self.executor, UniProcExecutor):
+            raise AttributeError("the model runs in worker processes: there is no local runner")
+        return self.executor.runner
+
+    def _num_blocks(self) -> int:
+        """Blocks every rank can hold: the budget is per rank (each holds its shard of a
+        block), so the most constrained rank decides."""
         args = self.args
-        per_block = self.runner.kv_bytes_per_block()
+        per_block = self.executor.kv_bytes_per_block()
+        memory = self.executor.device_memory()
         if args.num_gpu_blocks_override is not None:
             num_blocks = args.num_gpu_blocks_override
         elif args.kv_cache_memory_bytes is not None:
             num_blocks = args.kv_cache_memory_bytes // per_block
-        elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
+        elif memory is not None:
+            free, total = memory
             budget = free - total * (1 - args.gpu_memory_utilization)
             num_blocks = int(budget // per_block)
         else:
@@ -161,9 +192,14 @@ class EngineCore:
         self.kv_changed = True
         return self.scheduler.update_from_kv_output(kv_output)
 
+    def check_health(self) -> None:
+        """Raises `WorkerDiedError` if a worker process is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        self.executor.shutdown()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, update: one turn of the busy loop.
@@ -182,9 +218,9 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
         if not self.args.async_scheduling:
-            runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
             return self.scheduler.update_from_output(scheduler_output, runner_output)
-        pending = self.runner.execute_model_async(scheduler_output)
+        pending = self.executor.execute_model_async(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens:
             self._in_flight.append((scheduler_output, pending))
             if len(self._in_flight) < 2:

@@ -17,6 +17,7 @@ import zmq
 
 from baton.engine import protocol as p
 from baton.engine.core import EngineCore
+from baton.engine.executor import WorkerDiedError
 from baton.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
     handshake.close(linger=1000)
     try:
         BusyLoop(core, inputs, outputs, parent).run()
+    except WorkerDiedError as e:  # the server sees this process exit and fails its requests
+        logger.error("%s; the engine stops", e)
+        raise SystemExit(1) from None
     finally:
         core.shutdown()
     outputs.put(None)
@@ -123,6 +127,7 @@ class BusyLoop:
                     if os.getppid() != self.parent_pid:
                         logger.warning("API server is gone; exiting")
                         return
+                    core.check_health()  # an idle engine notices a dead worker too
                     if not transfers:
                         continue
             while True:

@@ -28,6 +28,10 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes, if it has any (also done when collected)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

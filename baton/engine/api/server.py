@@ -33,7 +33,7 @@ from baton.engine.api.metrics import CONTENT_TYPE
 from baton.engine.api.serving import EngineServer
 from baton.engine.api.streams import cancel_on_disconnect
 from baton.engine.async_llm import AsyncLLM
-from baton.engine.config import EngineArgs
+from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
 from baton.kv_transfer.base import FAILURE_POLICIES, ROLES, TRANSPORTS, KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -308,6 +308,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=e.async_scheduling
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=e.tensor_parallel_size,
+        help="worker processes, one per rank (one per GPU), that split the model's heads",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default=e.distributed_executor_backend,
+        help="uni: the model in the engine core process; mp: worker processes (default: uni "
+        "for --tensor-parallel-size 1, mp above)",
+    )
     parser.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests)
     parser.add_argument("--max-body-bytes", type=int, default=s.max_body_bytes)
     parser.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout)
@@ -363,6 +377,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         attention_backend=args.attention_backend,
         async_scheduling=args.async_scheduling,
         kv_transfer=_kv_transfer_config(args),
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     server = ServerConfig(
         host=args.host,

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import Gauge
 from pydantic import BaseModel
 
 from baton.engine.api import protocol as p
@@ -52,6 +53,14 @@ class EngineServer:
             lambda: llm.stats, self.model_name, engine_label, self.role, llm.kv_transport
         )
         llm.add_stats_listener(self.metrics.observe_step)
+        self.tensor_parallel_size = llm.args.tensor_parallel_size
+        # The parallel layout as an info metric, as baton:engine_info gives role and transport.
+        Gauge(
+            "baton:engine_parallel_info",
+            "The engine's parallel layout (value 1).",
+            ["model_name", "engine", "tensor_parallel_size"],
+            registry=self.metrics.registry,
+        ).labels(self.model_name, engine_label, str(self.tensor_parallel_size)).set(1)
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -107,6 +116,7 @@ class EngineServer:
             "role": self.role,
             "kv_transport": self.llm.kv_transport,
             "kv_port": self.llm.kv_port,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
 
     def _check_kv_transfer(self, params: dict[str, Any] | None, num_prompts: int, n: int) -> None:

@@ -3,6 +3,7 @@
 One module for all four: they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
 an explicit head_dim, tied embeddings, and rope settings, all read from `ModelConfig`.
 Projections are fused (q/k/v into one matmul, gate/up into another): fewer, larger kernels.
+Under tensor parallelism each module holds its rank's shard (see `tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.tensor_parallel import ShardLayout, TensorParallel, VocabParallelEmbedding
 from baton.engine.worker.attention import AttentionBackend, AttentionMetadata
 
 
@@ -35,7 +37,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with llama3-style scaling when the config asks for it."""
     dim = config.head_dim
     # float32 throughout, as transformers computes it: the oracle tests compare token for token.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -63,11 +66,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        self.reset_tables()
+        # On the host even when the model is built on `meta`: meta arithmetic would import
+        # torch's Python decompositions, seconds of start-up for every worker process.
+        self.reset_tables(torch.device("cpu"))
 
     def reset_tables(self, device: torch.device | None = None) -> None:
         """(Re)computes the tables in float32, e.g. after the model was built on `meta`."""
-        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device or "cpu")
         inv_freq = rope_inv_freq(self.config).to(device)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
@@ -88,11 +93,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        layout: ShardLayout,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = layout.num_heads  # this rank's
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -121,26 +134,34 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = attn(q, k, v, kv_cache, self.layer, meta)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.view(n, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(n, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
+        self.tp = tp
+        self.intermediate = layout.intermediate_size  # this rank's
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        layout: ShardLayout,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, rotary)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, rotary, layout, tp)
+        self.mlp = MLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,16 +178,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp = tp or TensorParallel()
+        self.layout = layout = ShardLayout.build(config, tp.rank, tp.size)
         self.rotary = rotary = RotaryEmbedding(config, max_positions)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary) for i in range(config.num_layers)
+            DecoderLayer(config, i, rotary, layout, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Vocabulary-parallel: each rank scores its rows, `compute_logits` gathers them.
+        self.lm_head = nn.Linear(config.hidden_size, layout.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -184,4 +210,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [rows, vocab]
+        logits = self.lm_head(hidden)  # [rows, vocab_per_rank]
+        if self.tp.size > 1:  # every rank gets every logit: each samples the same tokens
+            logits = self.tp.all_gather(logits)[:, : self.config.vocab_size]
+        return logits.float()  # [rows, vocab]

@@ -1,4 +1,8 @@
-"""Builds a model from a Hugging Face folder: config, safetensors weights (sharded or not)."""
+"""Builds a model from a Hugging Face folder: config, safetensors weights (sharded or not).
+
+Under tensor parallelism each rank reads the whole checkpoint and keeps its slice of every
+weight (`ShardLayout.shard`), so no rank ever holds another's shard in device memory.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from safetensors import safe_open
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM
+from baton.engine.models.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +55,34 @@ def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
-    """Instantiates the model on `device` in `dtype` and loads every weight, or says what is off."""
+    """Instantiates the model (this rank's shard of it) on `device` in `dtype` and loads every
+    weight, or says what is off."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, tp)
+    layout = model.layout
     model = model.to_empty(device=device).to(dtype)
+    if layout.vocab_start + layout.vocab_per_rank > config.vocab_size:
+        with torch.no_grad():  # padding rows past the vocabulary: never read, kept finite
+            model.embed_tokens.weight.zero_()
+            model.lm_head.weight.zero_()
     # Buffers (rope tables) were created on meta, then cast: rebuild them, in float32.
     model.rotary.reset_tables(device)
     if config.tie_word_embeddings:  # to_empty made separate tensors: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
-    sizes = {
+    sizes = {  # this rank's
         "qkv_proj": [
-            config.num_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
-            config.num_kv_heads * config.head_dim,
+            layout.num_heads * config.head_dim,
+            layout.num_kv_heads * config.head_dim,
+            layout.num_kv_heads * config.head_dim,
         ],
-        "gate_up_proj": [config.intermediate_size, config.intermediate_size],
+        "gate_up_proj": [layout.intermediate_size, layout.intermediate_size],
     }
     loaded: set[str] = set()
     for hf_name, tensor in _iter_weights(config.path):
@@ -76,6 +91,7 @@ def load_model(
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        tensor = layout.shard(name, tensor, config.head_dim)
         shard = None
         parts = name.split(".")
         for i, part in enumerate(parts):
@@ -91,6 +107,9 @@ def load_model(
             dst: torch.Tensor
             if shard is None:
                 dst = param
+                padded = name.split(".")[0] in ("embed_tokens", "lm_head")
+                if padded and 0 < tensor.shape[0] < param.shape[0]:  # the last rank's shard
+                    dst = param.narrow(0, 0, tensor.shape[0])
                 loaded.add(target)
             else:
                 fused_name = parts[i]

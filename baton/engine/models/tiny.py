@@ -91,10 +91,12 @@ def write_tiny_model(
     seed: int = 0,
     *,
     rope_scaling: dict[str, Any] | None = None,
+    num_key_value_heads: int | None = None,
 ) -> pathlib.Path:
     """Write a random model folder for (arch, size, seed) to `path` and return it.
 
-    `rope_scaling`, when given, is written verbatim into config.json.
+    `rope_scaling`, when given, is written verbatim into config.json; `num_key_value_heads`
+    overrides the size's (e.g. 1, fewer KV heads than tensor-parallel ranks).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
@@ -103,6 +105,13 @@ def write_tiny_model(
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
     config = _model_config(arch, size, rope_scaling)
+    if num_key_value_heads is not None:
+        if config["num_attention_heads"] % num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads {num_key_value_heads} must divide "
+                f"num_attention_heads {config['num_attention_heads']}"
+            )
+        config["num_key_value_heads"] = num_key_value_heads
     weights = _random_weights(config, arch, _torch_seed(seed, arch, size))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)

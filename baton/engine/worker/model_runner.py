@@ -10,6 +10,7 @@ import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.loader import load_model
+from baton.engine.models.tensor_parallel import TensorParallel
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler.output import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.attention import AttentionMetadata, make_attention_backend
@@ -90,12 +91,21 @@ class PendingOutput:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: RunnerConfig) -> None:
+    """Runs the model (one tensor-parallel rank's shard of it) over its paged KV cache.
+
+    Every rank samples from the same gathered logits with the same generators, so every rank
+    appends the same tokens to its request states without being told them.
+    """
+
+    def __init__(
+        self, model_config: ModelConfig, config: RunnerConfig, tp: TensorParallel | None = None
+    ) -> None:
         self.model_config = model_config
         self.config = config
         self.device = config.device
         self.block_size = config.block_size
-        self.model = load_model(model_config, config.dtype, config.device, config.max_model_len)
+        self.model = load_model(model_config, config.dtype, config.device, config.max_model_len, tp)
+        self.num_kv_heads = self.model.layout.num_kv_heads  # this rank's shard of the cache
         self.attn = make_attention_backend(
             config.attention_backend, config.block_size, model_config.head_dim**-0.5
         )
@@ -111,12 +121,12 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         c = self.model_config
-        elems = c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim
+        elems = c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim
         return elems * torch.empty((), dtype=self.config.dtype).element_size()
 
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
-        shape = (num_blocks, c.num_layers, 2, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
         return self.kv_cache
 

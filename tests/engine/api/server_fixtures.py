@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,39 @@ def expect_error(response: httpx.Response, status: int) -> dict[str, Any]:
     assert body["object"] == "error" and body["error"]["code"] == status
     assert set(body["error"]) == {"message", "type", "param", "code"}
     return dict(body["error"])
+
+
+def streams_after(server: Server, kill: Callable[[], None], timeout: float = 5) -> list[Any]:
+    """Opens 3 long streams, reads a chunk of each, calls `kill`, then reads them out: what
+    each ended with (an `openai.APIError`, or None if it finished), within `timeout` s."""
+
+    async def go() -> list[BaseException | None]:
+        async with server.async_client() as client:
+            streams = [
+                await client.completions.create(
+                    model=NAME,
+                    prompt=f"doomed {i}",
+                    max_tokens=1000,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(3)
+            ]
+            iterators = [aiter(st) for st in streams]
+            for it in iterators:
+                await anext(it)
+            kill()
+
+            async def drain(it: Any) -> BaseException | None:
+                try:
+                    async for _ in it:
+                        pass
+                except openai.APIError as e:
+                    return e
+                return None
+
+            return await asyncio.wait_for(
+                asyncio.gather(*(drain(it) for it in iterators)), timeout=timeout
+            )
+
+    return asyncio.run(go())

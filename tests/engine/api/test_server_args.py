@@ -53,3 +53,14 @@ def test_bad_kv_flags_fail() -> None:
         _parse("--kv-load-failure-policy", "ignore")
     with pytest.raises(ValueError, match="lease seconds"):
         configs_from_args(_parse("--role", "prefill", "--kv-lease-seconds", "0"))
+
+
+def test_tensor_parallel_flags() -> None:
+    """--tensor-parallel-size (or -tp) picks the multiprocess executor; a prefill or decode
+    engine refuses it, since the KV connector cannot move sharded caches yet."""
+    engine, _ = configs_from_args(_parse("--tensor-parallel-size", "2"))
+    assert (engine.tensor_parallel_size, engine.executor_backend) == (2, "mp")
+    engine, _ = configs_from_args(_parse("-tp", "1", "--distributed-executor-backend", "mp"))
+    assert (engine.tensor_parallel_size, engine.executor_backend) == (1, "mp")
+    with pytest.raises(ValueError, match="KV connector needs tensor_parallel_size 1"):
+        configs_from_args(_parse("--role", "decode", "-tp", "2"))

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -20,6 +19,7 @@ from tests.engine.api.server_fixtures import (
     engine_core_pid,
     expect_error,
     start_server,
+    streams_after,
 )
 
 pytestmark = pytest.mark.slow  # every test here needs a server process: seconds to start
@@ -133,37 +133,7 @@ def test_engine_core_death_fails_open_requests_and_exits_nonzero(
     and the server process exits non-zero."""
     s = start_server(model, tmp_path)
     try:
-
-        async def go() -> list[BaseException | None]:
-            async with s.async_client() as client:
-                streams = [
-                    await client.completions.create(
-                        model=NAME,
-                        prompt=f"doomed {i}",
-                        max_tokens=1000,
-                        stream=True,
-                        extra_body={"ignore_eos": True},
-                    )
-                    for i in range(3)
-                ]
-                iterators = [aiter(st) for st in streams]
-                for it in iterators:
-                    await anext(it)
-                os.kill(engine_core_pid(s.proc.pid), signal.SIGKILL)
-
-                async def drain(it: Any) -> BaseException | None:
-                    try:
-                        async for _ in it:
-                            pass
-                    except openai.APIError as e:
-                        return e
-                    return None
-
-                return await asyncio.wait_for(
-                    asyncio.gather(*(drain(it) for it in iterators)), timeout=5
-                )
-
-        errors = asyncio.run(go())
+        errors = streams_after(s, lambda: os.kill(engine_core_pid(s.proc.pid), signal.SIGKILL))
         assert all(isinstance(e, openai.APIError) for e in errors), errors
         assert all("engine" in str(e) for e in errors), errors
         assert s.proc.wait(10) != 0

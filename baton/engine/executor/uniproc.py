@@ -1,0 +1,41 @@
+"""The in-process executor: one `ModelRunner` in the EngineCore's own process (no parallelism)."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.engine.executor.base import Executor
+from baton.engine.models.config import ModelConfig
+from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
+
+
+class UniProcExecutor(Executor):
+    """Calls the runner directly: the path of `tensor_parallel_size` 1, with nothing in between."""
+
+    def __init__(self, model_config: ModelConfig, config: RunnerConfig) -> None:
+        self.runner = ModelRunner(model_config, config)
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        """The KV tensor, for the KV connector's worker half (which lives in this process)."""
+        return self.runner.kv_cache
+
+    def kv_bytes_per_block(self) -> int:
+        return self.runner.kv_bytes_per_block()
+
+    def device_memory(self) -> tuple[int, int] | None:
+        device = self.runner.device
+        if device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return free, total
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(out)
+
+    def execute_model_async(self, out: SchedulerOutput) -> PendingOutput:
+        return self.runner.execute_model_async(out)
