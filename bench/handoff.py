@@ -215,12 +215,10 @@ def main() -> None:
         "pull_failures": failures,
     }
     ms = 1e3
-    print(
-        f"prompt {args.prompt_len} tokens, {kv_bytes / 2**20:.1f} MiB of KV, {args.repeats} hand-offs"
-    )
-    print(
-        f"  prefill engine, whole prefill (median)      {result['prefill_seconds_median'] * ms:8.2f} ms"
-    )
+    mib = kv_bytes / 2**20
+    print(f"prompt {args.prompt_len} tokens, {mib:.1f} MiB of KV, {args.repeats} hand-offs")
+    prefill_ms = result["prefill_seconds_median"] * ms
+    print(f"  prefill engine, whole prefill (median)      {prefill_ms:8.2f} ms")
     print(f"  decode engine, arrival to first token       {ttft * ms:8.2f} ms")
     print(f"  same, server side (arrival to first token)  {server_ttft * ms:8.2f} ms")
     print(f"  cached prompt, no pull (client, median)     {statistics.median(floor) * ms:8.2f} ms")
