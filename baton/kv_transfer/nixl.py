@@ -11,7 +11,7 @@ readers are given. Messages are length-prefixed msgpack structs (below). A read:
                       the reader adds the remote agent and caches it per (host, port, engine id)
     reader -> server  Lookup: engine id, request id, block ids, block bytes and how long the read
                       may take; the server checks the lease like ``tcp.Status`` and answers the
-                      per-block crc32 values it computed when the lease was made
+                      per-block checksums it computed when the lease was made
     reader            NIXL READs of the coalesced regions into its own blocks, 16 MiB at a time,
                       polled until done or the deadline; each chunk's blocks are checksummed on a
                       second thread while the next chunk is READ, and compared with the server's
@@ -43,7 +43,6 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +54,7 @@ import numpy as np
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
+from baton.kv_transfer.checksum import block_checksum
 from baton.kv_transfer.tcp import (
     Status,
     _byte_view,
@@ -134,7 +134,7 @@ class Reply(msgspec.Struct, frozen=True):
     block_bytes: int = 0
     mem_type: str = "DRAM"
     device_id: int = 0
-    # Lookup: crc32 of each asked block, in the order asked
+    # Lookup: the checksum of each asked block, in the order asked
     crcs: list[int] = []
 
 
@@ -174,12 +174,13 @@ def _mem(kv_cache: torch.Tensor) -> tuple[str, int]:
 
 
 def block_crcs(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
-    """crc32 of each block's bytes, in the order given; device blocks are copied to host first."""
+    """The checksum of each block's bytes, in the order given; device blocks are copied to host
+    first."""
     if kv_cache.device.type != "cpu":
         kv_cache = kv_cache[block_ids].cpu()
         block_ids = list(range(len(block_ids)))
     view, bpb = _byte_view(kv_cache), block_bytes(kv_cache)
-    return [zlib.crc32(view[b * bpb : (b + 1) * bpb]) for b in block_ids]
+    return [block_checksum(view[b * bpb : (b + 1) * bpb]) for b in block_ids]
 
 
 def paired_runs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -250,7 +251,7 @@ class _LeaseTable:
             self._expired.pop(request_id, None)
 
     def lookup(self, request_id: str, ids: list[int], hold_s: float) -> tuple[Status, list[int]]:
-        """(OK, crc32 per asked block) and a hold on the lease, or (the refusal, [])."""
+        """(OK, the checksum of each asked block) and a hold on the lease, or (the refusal, [])."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -564,7 +565,7 @@ class NixlTransport:
             i = bad[0]
             return (
                 f"CHECKSUM_MISMATCH: {len(bad)} of {len(local_ids)} blocks, first remote block "
-                f"{remote_ids[i]}: crc32 {got[i]:#010x}, server said {reply.crcs[i]:#010x}",
+                f"{remote_ids[i]}: checksum {got[i]:#018x}, server said {reply.crcs[i]:#018x}",
                 num_bytes,
             )
         self._notify(remote.host, remote.port, Done(remote.engine_id, remote.request_id), deadline)
@@ -574,7 +575,7 @@ class NixlTransport:
         self, peer: _Peer, remote_ids: list[int], local_ids: list[int], deadline: float
     ) -> tuple[str | None, list[int]]:
         """READs chunk by chunk, checksumming each received chunk while the next one is READ;
-        (None, crc32 per local block) or (the error, [])."""
+        (None, the checksum of each local block) or (the error, [])."""
         kv = self._kv
         assert kv is not None
         bpb = block_bytes(kv)

@@ -11,11 +11,11 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import torch
 
+from baton.kv_transfer.checksum import block_checksum, combine
 from baton.kv_transfer.tcp import (
     _DONE,
     _REPLY,
@@ -25,7 +25,6 @@ from baton.kv_transfer.tcp import (
     ReadResult,
     Status,
     _byte_view,
-    _combine,
     _is_timeout,
     _set_io_timeout,
     block_bytes,
@@ -266,9 +265,9 @@ class _Read:
             crcs = self._recv_payload(sock)
             if crcs is None:
                 return f"SHORT_READ: connection closed after {self.received} of {expected} B"
-            actual = _combine(crcs)
+            actual = combine(crcs)
             if actual != checksum:
-                return f"CHECKSUM_MISMATCH: crc32 {actual:#010x}, server said {checksum:#010x}"
+                return f"CHECKSUM_MISMATCH: got {actual:#018x}, server said {checksum:#018x}"
             self._arm(sock)
             sock.sendall(_DONE)
         except OSError as exc:
@@ -294,7 +293,7 @@ class _Read:
         return bytes(buf)
 
     def _recv_payload(self, sock: socket.socket) -> list[int] | None:
-        """Receives every block in place and returns their crc32 values; None on an early EOF.
+        """Receives every block in place and returns their checksums; None on an early EOF.
 
         Each chunk of a few blocks is checksummed as soon as it is complete: by then the kernel
         is already taking the next chunk's bytes into the socket buffer, so the checksum pass
@@ -316,7 +315,7 @@ class _Read:
                         return None
                     got += k
                     self.received += k
-                crcs.extend(zlib.crc32(view[b * bpb : (b + 1) * bpb]) for b in range(lo, hi))
+                crcs.extend(block_checksum(view[b * bpb : (b + 1) * bpb]) for b in range(lo, hi))
         return crcs
 
 

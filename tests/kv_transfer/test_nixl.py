@@ -238,7 +238,7 @@ def test_nothing_listening_is_connect_failed() -> None:
 
 
 def test_block_changed_after_the_lease_is_a_checksum_mismatch(pair: Any) -> None:
-    """Served bytes that differ from what was leased fail the crc32 check of what was READ."""
+    """Served bytes that differ from what was leased fail the checksum of what was READ."""
     server, reader, served, _ = pair
     server.lease("r", [2, 3], time.time() + 30)
     server._leases._leases["r"].crcs.result(timeout=5)  # the lease-time checksums exist

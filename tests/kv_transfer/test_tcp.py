@@ -6,18 +6,17 @@ import multiprocessing as mp
 import socket
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from baton.kv_transfer.checksum import block_checksum, combine
 from baton.kv_transfer.tcp import (
     _REPLY,
     _REPLY_MAGIC,
     KVBlockServer,
     Status,
-    _combine,
     block_bytes,
     coalesce,
 )
@@ -197,7 +196,7 @@ def test_short_read() -> None:
                 Status.OK,
                 len(payload) // 2,
                 len(payload),
-                _combine([zlib.crc32(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
+                combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
             )
         )
         conn.sendall(payload[: len(payload) // 2])
@@ -224,7 +223,7 @@ def test_corrupted_payload() -> None:
                 Status.OK,
                 len(payload),
                 len(payload),
-                _combine([zlib.crc32(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
+                combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
             )
         )
         conn.sendall(payload[:-1] + b"\x00")

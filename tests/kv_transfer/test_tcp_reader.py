@@ -5,18 +5,17 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import zlib
 
 import pytest
 import torch
 
+from baton.kv_transfer.checksum import block_checksum, combine
 from baton.kv_transfer.tcp import (
     _REPLY,
     _REPLY_MAGIC,
     _REQUEST,
     KVBlockServer,
     Status,
-    _combine,
 )
 from baton.kv_transfer.tcp_reader import _CHUNK_BYTES, KVConnectionPool, read_blocks
 from tests.kv_transfer.helpers import (
@@ -144,8 +143,8 @@ def test_pool_deadline_on_pooled_connection() -> None:
 
 
 def _ok_reply(payload: bytes) -> bytes:
-    crcs = [zlib.crc32(payload[i : i + BB]) for i in range(0, len(payload), BB)]
-    return _REPLY.pack(_REPLY_MAGIC, Status.OK, BB, len(payload), _combine(crcs))
+    crcs = [block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]
+    return _REPLY.pack(_REPLY_MAGIC, Status.OK, BB, len(payload), combine(crcs))
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
