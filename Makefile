@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_PIN := $(if $(HAS_GPU),torch,torch==2.13.0)
 
-.PHONY: install serve test test-fast lint bench clean
+.PHONY: install serve test test-long lint bench clean
 
 install: $(STAMP)
 
@@ -23,7 +23,10 @@ serve: install
 	$(VENV)/bin/baton serve --host 127.0.0.1 --port 8000
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
+
+test-long: install
+	$(PY) -m pytest -q -m long tests/e2e
 
 lint: install
 	$(VENV)/bin/ruff check baton tests bench

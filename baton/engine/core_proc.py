@@ -11,6 +11,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -110,6 +111,15 @@ class BusyLoop:
         self.running = True
         self._results: list[p.UtilityResult] = []
         self._nothing_to_compute = False
+        self._next_parent_check = 0.0
+
+    def _orphaned(self) -> bool:
+        """True once the API server is gone; asked at most every `_IDLE_POLL_SECONDS`."""
+        now = time.monotonic()
+        if now < self._next_parent_check:
+            return False
+        self._next_parent_check = now + _IDLE_POLL_SECONDS
+        return os.getppid() != self.parent_pid
 
     def run(self) -> None:
         core = self.core
@@ -137,6 +147,9 @@ class BusyLoop:
                 except queue.Empty:
                     break
             stepped = core.has_unfinished_requests()
+            if stepped and self._orphaned():  # a busy loop computes for nobody otherwise
+                logger.warning("API server is gone; exiting with requests unfinished")
+                return
             if stepped:
                 step_outputs = core.step()
                 self._nothing_to_compute = core.last_step_tokens == 0 and not step_outputs

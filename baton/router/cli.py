@@ -94,6 +94,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=listen.host)
     parser.add_argument("--port", type=int, default=listen.port)
     parser.add_argument("--router-shutdown-timeout", type=float, default=listen.shutdown_timeout)
+    parser.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=listen.request_read_timeout,
+        help="seconds a client has to send a whole request (headers and body); slower "
+        "connections are closed",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=RouterConfig.max_body_bytes,
+        help="a larger request body gets 413 (the engines' --max-body-bytes; a router-only "
+        "flag, so that baton serve's engine flag of that name does not clash)",
+    )
     parser.add_argument("--access-log", action="store_true")
     static = parser.add_argument_group("static discovery (URLs may repeat the flag)")
     for role in ("prefill", "decode"):
@@ -135,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_timeout=args.health_timeout,
         eject_after_failures=args.eject_after_failures,
         eject_seconds=args.eject_seconds,
+        max_body_bytes=args.max_body_bytes,
     )
 
 
@@ -176,6 +191,7 @@ def listen_from_args(args: argparse.Namespace) -> ListenConfig:
         host=args.host,
         port=args.port,
         shutdown_timeout=args.router_shutdown_timeout,
+        request_read_timeout=args.request_read_timeout,
         access_log=args.access_log,
     )
 

@@ -39,6 +39,7 @@ class RouterConfig:
     request_timeout: float = 600.0  # longest wait for an engine's next bytes
     connect_timeout: float = 2.0
     max_connections: int = 1024  # upstream connections, all engines together
+    max_body_bytes: int = 10 << 20  # a larger request body gets 413 before it is read
 
     # -- health --
     health_interval: float = 1.0  # active /health checks and /metrics scrapes, per engine
@@ -64,6 +65,7 @@ class RouterConfig:
             ("request_timeout", self.request_timeout),
             ("connect_timeout", self.connect_timeout),
             ("max_connections", self.max_connections),
+            ("max_body_bytes", self.max_body_bytes),
             ("health_interval", self.health_interval),
             ("health_timeout", self.health_timeout),
             ("eject_after_failures", self.eject_after_failures),

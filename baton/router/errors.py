@@ -11,6 +11,7 @@ from starlette.responses import Response
 _TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    413: "RequestEntityTooLarge",
     429: "TooManyRequests",
     502: "BadGateway",
     503: "ServiceUnavailable",

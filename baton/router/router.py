@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from baton.router.config import RouterConfig
@@ -124,8 +124,26 @@ class Router:
 
     # -- reading a request --
 
+    async def body(self, request: Request) -> bytes:
+        """The request's body, refused with 413 past `max_body_bytes` (by its Content-Length,
+        before reading, or as it arrives): the router holds whole bodies in memory."""
+        limit = self.config.max_body_bytes
+        too_large = RouterError(413, f"the request body is larger than {limit} bytes")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_large
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return bytes(body)
+
     async def read(self, route: str, request: Request) -> Routed:
-        raw = await request.body()
+        raw = await self.body(request)
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -251,7 +269,7 @@ class Router:
     async def forward_any(self, route: str, request: Request) -> Response:
         """/tokenize and /detokenize: any available engine of the model."""
         started = time.perf_counter()
-        raw = await request.body()
+        raw = await self.body(request)
         try:
             body = json.loads(raw)
         except ValueError as e:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import prometheus_client
 import uvicorn
 
+from baton.http_timeouts import DEFAULT_READ_TIMEOUT, read_timeout_protocol
 from baton.router.app import build_app
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery
@@ -28,6 +29,7 @@ class ListenConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     shutdown_timeout: float = 30.0  # seconds open requests get after SIGTERM
+    request_read_timeout: float = DEFAULT_READ_TIMEOUT  # seconds a client has to send a request
     access_log: bool = False
     uvicorn_log_level: str = "warning"
 
@@ -36,6 +38,8 @@ class ListenConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.request_read_timeout <= 0:
+            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
 
 
 def uvicorn_config(router: Router, discovery: Discovery, listen: ListenConfig) -> uvicorn.Config:
@@ -43,7 +47,7 @@ def uvicorn_config(router: Router, discovery: Discovery, listen: ListenConfig) -
         build_app(router, discovery),
         host=listen.host,
         port=listen.port,
-        http="auto",  # httptools where installed
+        http=read_timeout_protocol(listen.request_read_timeout),  # httptools; slow clients dropped
         lifespan="on",
         access_log=listen.access_log,
         log_level=listen.uvicorn_log_level,

@@ -80,13 +80,16 @@ class StreamOptions(OpenAIBaseModel):
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+# What the engine's wire format carries: larger integers cannot reach the EngineCore.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+MAX_N = 128  # OpenAI's bound; n samples are n engine requests, so n is a cost a client sets
 
 
 class _GenerationRequest(OpenAIBaseModel):
     """The sampling fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Field(le=MAX_N)] = 1
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -98,14 +101,14 @@ class _GenerationRequest(OpenAIBaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: Int64 = 0
     request_id: str | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None

@@ -2,7 +2,8 @@
 
 `build_app` makes the app (routes, error shapes, body limit, metrics) around an `EngineServer`
 (`serving`), which handles the requests. `run_server` starts the EngineCore, serves until
-SIGTERM (drain: new requests get 503, in-flight ones finish within `shutdown_timeout`, exit 0)
+SIGTERM (drain: new requests get 503, in-flight ones finish and a prefill engine's leased KV
+blocks are claimed or expire, within `shutdown_timeout`; exit 0)
 or until the core dies (every open request fails with 503 at once, exit 1, so Kubernetes
 restarts the pod).
 """
@@ -15,6 +16,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,11 +36,13 @@ from baton.engine.api.serving import EngineServer
 from baton.engine.api.streams import cancel_on_disconnect
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
+from baton.http_timeouts import DEFAULT_READ_TIMEOUT, read_timeout_protocol
 from baton.kv_transfer.base import FAILURE_POLICIES, ROLES, TRANSPORTS, KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
 _DEAD_FLUSH_SECONDS = 2.0  # after the core died: time for open requests to send their errors
+_LEASE_POLL_SECONDS = 0.05  # how often the drain looks whether the leases have ended
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class ServerConfig:
     max_waiting_requests: int | None = None  # 429 once the engine has this many waiting
     max_body_bytes: int = 10 << 20  # 413 past this
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    request_read_timeout: float = DEFAULT_READ_TIMEOUT  # seconds a client has to send a request
     engine_label: str = "0"  # the `engine` label of every metric
     uvicorn_log_level: str = "info"
     access_log: bool = True
@@ -64,6 +69,8 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.request_read_timeout <= 0:
+            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -215,8 +222,9 @@ class _Uvicorn(uvicorn.Server):
 async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     """Starts the engine, serves until SIGTERM or the engine's death; returns the exit code.
 
-    SIGTERM (or SIGINT): stop admitting (503), let in-flight requests finish within
-    `shutdown_timeout`, exit 0. A second signal exits at once. The core's death: every open
+    SIGTERM (or SIGINT): stop admitting (503), let in-flight requests finish, then let leased
+    KV blocks be claimed or expire (a decode engine may still pull them), all within
+    `shutdown_timeout`; exit 0. A second signal exits at once. The core's death: every open
     request has already failed with 503; give them a moment to flush, exit 1.
     """
     # vLLM's exposition has no `_created` series; this is a process-wide prometheus switch.
@@ -229,6 +237,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             app,
             host=config.host,
             port=config.port,
+            http=read_timeout_protocol(config.request_read_timeout),  # slow clients dropped
             log_level=config.uvicorn_log_level,
             access_log=config.access_log,
             lifespan="off",
@@ -260,12 +269,18 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
         if llm.dead_error is not None:
             exit_code = 1
             await server.wait_idle(_DEAD_FLUSH_SECONDS)
-        elif not await server.wait_idle(config.shutdown_timeout):
-            logger.warning(
-                "shutdown timeout (%.0f s): cutting %d requests",
-                config.shutdown_timeout,
-                server.num_in_flight,
-            )
+        else:
+            deadline = loop.time() + config.shutdown_timeout
+            if not await server.wait_idle(config.shutdown_timeout):
+                logger.warning(
+                    "shutdown timeout (%.0f s): cutting %d requests",
+                    config.shutdown_timeout,
+                    server.num_in_flight,
+                )
+            elif not await _wait_leases(llm, deadline - loop.time()):
+                logger.warning(
+                    "shutdown timeout: dropping %d leased KV blocks", llm.stats.kv_blocks_leased
+                )
         uv.should_exit = True
         await serving
     finally:
@@ -278,6 +293,27 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             logger.exception("engine shutdown failed")
     logger.info("server stopped (exit code %d)", exit_code)
     return exit_code
+
+
+async def _wait_leases(llm: AsyncLLM, timeout: float) -> bool:
+    """Waits until the engine holds no leased KV blocks (each claimed, released or expired);
+    False if `timeout` passed first.
+
+    Called once no request is in flight, so no new lease can start: the last one ends within
+    the lease time. A decode engine pulls from the EngineCore's block server, not through the
+    HTTP server, so the pulls go on while admission is closed.
+    """
+    kv = llm.args.kv_transfer
+    if kv is None or llm.stats.kv_blocks_leased == 0:
+        return True
+    logger.info("waiting for %d leased KV blocks to be claimed", llm.stats.kv_blocks_leased)
+    # The core frees an expired lease at its next 50 ms poll and then reports it.
+    deadline = time.monotonic() + min(timeout, kv.lease_seconds + 1.0)
+    while llm.stats.kv_blocks_leased and llm.dead_error is None:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(_LEASE_POLL_SECONDS)
+    return True
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +361,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests)
     parser.add_argument("--max-body-bytes", type=int, default=s.max_body_bytes)
     parser.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout)
+    parser.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=s.request_read_timeout,
+        help="seconds a client has to send a whole request (headers and body); slower "
+        "connections are closed",
+    )
     parser.add_argument("--uvicorn-log-level", default=s.uvicorn_log_level)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     k = KVTransferConfig
@@ -387,6 +430,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        request_read_timeout=args.request_read_timeout,
         uvicorn_log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
     )

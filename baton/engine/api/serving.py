@@ -135,13 +135,14 @@ class EngineServer:
     # -- prompts --
 
     def _tokenize_prompt(
-        self, prompt: str | list[int], add_special_tokens: bool, echo: bool
+        self, prompt: str | list[int], add_special_tokens: bool
     ) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and token ids."""
         if isinstance(prompt, str):
             return prompt, list(
                 self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             )
-        return (str(self.tokenizer.decode(prompt)) if echo else None), prompt
+        return None, prompt
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         try:
@@ -169,11 +170,13 @@ class EngineServer:
         rid = req.request_id or p.random_id()
         inputs = []
         for prompt in req.prompts():
-            text, ids = self._tokenize_prompt(prompt, req.add_special_tokens, req.echo)
+            text, ids = self._tokenize_prompt(prompt, req.add_special_tokens)
             max_tokens = p.resolve_max_tokens(
                 req.max_tokens, 16, len(ids), self.llm.max_model_len, "prompt"
             )
             self._check_prompt(ids, "prompt")
+            if text is None and req.echo:  # only once the ids are known to be in the vocabulary
+                text = str(self.tokenizer.decode(ids))
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
         self._check_kv_transfer(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit(req.model)
