@@ -269,7 +269,7 @@ def test_router_killed(fleet: Fleet, make_router: Any) -> None:
     engine was stopped), no block or lease is left once idle, and a new router serves."""
     p0, d0 = fleet["p0"], fleet["d0"]
     router = make_router([p0], [d0])
-    streams = [open_stream(router.url, f"router stream {i}", 200) for i in range(3)]
+    streams = [open_stream(router.url, f"router stream {i}", 600) for i in range(3)]
     for s in streams:
         s.read(2)
     core = stop_core(fleet, "p0")  # the next prefill step gets no answer before the kill
