@@ -6,9 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.register_assert_rewrite("tests.router.harness")
-
-from tests.router.harness import FakeCluster  # noqa: E402
+from tests.router.harness import FakeCluster
 
 
 @pytest.fixture

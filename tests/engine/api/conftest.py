@@ -8,10 +8,7 @@ from typing import Any
 
 import pytest
 
-# The helpers assert like tests do; rewritten, their failures show the values as in a test.
-pytest.register_assert_rewrite("tests.engine.api.server_fixtures")
-
-from tests.engine.api.server_fixtures import Server, start_server  # noqa: E402
+from tests.engine.api.server_fixtures import Server, start_server
 
 
 @pytest.fixture(scope="module")
