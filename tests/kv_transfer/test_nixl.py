@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from baton.kv_transfer import nixl_channel
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
 from tests.kv_transfer.helpers import as_bytes, make_cache
 
@@ -81,12 +82,16 @@ def test_read_copies_leased_blocks_and_claims_the_lease(pair: Any) -> None:
 
 def test_paired_runs_coalesce_only_where_both_sides_are_consecutive() -> None:
     """One descriptor per run of ids consecutive on both sides."""
-    assert nixl.paired_runs([3, 4, 5, 9, 10], [0, 1, 7, 8, 9]) == [(3, 0, 2), (5, 7, 1), (9, 8, 2)]
+    assert nixl_channel.paired_runs([3, 4, 5, 9, 10], [0, 1, 7, 8, 9]) == [
+        (3, 0, 2),
+        (5, 7, 1),
+        (9, 8, 2),
+    ]
 
 
 def test_split_runs_cuts_runs_into_chunks_in_order() -> None:
     """Chunks hold at most the given number of blocks and keep the runs' order."""
-    chunks = nixl.split_runs([(10, 0, 5), (20, 9, 2)], 3)
+    chunks = nixl_channel.split_runs([(10, 0, 5), (20, 9, 2)], 3)
     assert chunks == [[(10, 0, 3)], [(13, 3, 2), (20, 9, 1)], [(21, 10, 1)]]
 
 
@@ -176,11 +181,11 @@ def test_bad_blocks_are_refused(pair: Any) -> None:
 
 def _side_call(port: int, message: Any) -> Any:
     with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-        nixl._send(sock, message)
-        if isinstance(message, nixl.Done):
+        nixl_channel.send_message(sock, message)
+        if isinstance(message, nixl_channel.Done):
             time.sleep(0.1)
             return None
-        return nixl._reply_decoder.decode(nixl._recv_frame(sock))
+        return nixl_channel.reply_decoder.decode(nixl_channel.recv_frame(sock))
 
 
 def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
@@ -188,11 +193,13 @@ def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
     server, _, _, _ = pair
     engine = server.config.engine_id
     server.lease("r", [1], time.time() + 0.2)
-    reply = _side_call(server.port, nixl.Lookup(engine, "r", [1], server._hello.block_bytes, 5.0))
-    assert reply.status == nixl.Status.OK and len(reply.crcs) == 1
+    reply = _side_call(
+        server.port, nixl_channel.Lookup(engine, "r", [1], server._hello.block_bytes, 5.0)
+    )
+    assert reply.status == nixl_channel.Status.OK and len(reply.crcs) == 1
     time.sleep(0.3)
     assert server.finished_leases(time.time()) == ([], [])
-    _side_call(server.port, nixl.Done(engine, "r"))
+    _side_call(server.port, nixl_channel.Done(engine, "r"))
     assert server.finished_leases(time.time()) == (["r"], [])
 
 
