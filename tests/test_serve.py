@@ -63,11 +63,14 @@ class Serve:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"serve exited early:\n{self.log()}"
+            # Ready means what a user sees: the router answers and serve has printed its
+            # banner (it does so just after the router's first healthy answer).
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
+                healthy = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy and "Baton is serving" in self.log():
+                return
             time.sleep(0.2)
         raise AssertionError(f"serve not ready after {timeout} s:\n{self.log()}")
 
