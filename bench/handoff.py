@@ -15,7 +15,11 @@ overhead = decode TTFT, server side (the engine's own ``vllm:time_to_first_token
 request's arrival) - raw transfer. The client-side figure and a no-pull floor (a prompt the decode
 engine already caches) are printed beside it. Aim (issue 4): overhead below the raw transfer time.
 
-    python bench/handoff.py [--repeats 10] [--prompt-len 2000] [--json out.json]
+With ``--tensor-parallel-size 2`` both engines run two ranks: each decode rank pulls its half of
+the KV heads from the matching prefill rank, on connections of its own (issue 9).
+
+    python bench/handoff.py [--repeats 10] [--prompt-len 2000] [--tensor-parallel-size N]
+                            [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,13 +51,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(model: Path, role: str, max_len: int) -> tuple[subprocess.Popen[bytes], str]:
+def _start(model: Path, role: str, max_len: int, tp: int) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [
         sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "engine",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--role", role,
         "--max-model-len", str(max_len), "--served-model-name", "small",
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--tensor-parallel-size", str(tp),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT)
     return proc, f"http://127.0.0.1:{port}"
@@ -136,6 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -145,8 +150,8 @@ def main() -> None:
     # The engines keep the model's float32 on CPU: K and V of every layer, 4 bytes each.
     kv_bytes = args.prompt_len * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
     (pre, pre_url), (dec, dec_url) = (
-        _start(model, "prefill", max_len),
-        _start(model, "decode", max_len),
+        _start(model, "prefill", max_len, args.tensor_parallel_size),
+        _start(model, "decode", max_len, args.tensor_parallel_size),
     )
     try:
         _wait(pre_url, pre)
@@ -201,6 +206,7 @@ def main() -> None:
     overhead = server_ttft - raw_s
     result = {
         "prompt_tokens": args.prompt_len,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "kv_bytes": kv_bytes,
         "repeats": args.repeats,
         "prefill_seconds_median": statistics.median(prefill_s),
@@ -216,7 +222,8 @@ def main() -> None:
     }
     ms = 1e3
     mib = kv_bytes / 2**20
-    print(f"prompt {args.prompt_len} tokens, {mib:.1f} MiB of KV, {args.repeats} hand-offs")
+    tp, n = args.tensor_parallel_size, args.repeats
+    print(f"prompt {args.prompt_len} tokens, {mib:.1f} MiB of KV, {n} hand-offs, tp={tp}")
     prefill_ms = result["prefill_seconds_median"] * ms
     print(f"  prefill engine, whole prefill (median)      {prefill_ms:8.2f} ms")
     print(f"  decode engine, arrival to first token       {ttft * ms:8.2f} ms")

@@ -277,3 +277,43 @@ def test_serve_flags_reach_the_router_and_the_engines() -> None:
     assert (aggregated.num_prefill, aggregated.num_decode, aggregated.num_both) == (0, 0, 3)
     with pytest.raises(ValueError, match="come together"):
         serve.plan_from_args(parser.parse_args(["--prefill", "0", "--decode", "1"]))
+
+
+@needs_roles
+def test_tensor_parallel_disaggregated_through_serve(tiny_model: Any, tmp_path: Path) -> None:
+    """`baton serve --tensor-parallel-size 2`: prefill and decode engines of two ranks each;
+    every decode rank pulls its shard from the matching prefill rank, and the answers equal
+    the decode engine's own and an offline tensor_parallel_size 1 engine's."""
+    model = Path(tiny_model("llama", num_key_value_heads=2))
+    s = Serve(tmp_path / "serve.log", "--model", str(model), "--served-model-name", "tiny",
+              "--prefill", "1", "--decode", "1", "--tensor-parallel-size", "2",
+              *ENGINE_FLAGS)  # fmt: skip
+    try:
+        s.wait_ready()
+        decode = next(e["url"] for e in s.engines() if e["role"] == "decode")
+        health = httpx.get(f"{decode}/health").json()
+        assert health["tensor_parallel_size"] == 2 and len(health["kv_ports"]) == 2
+        via = [_completion(s.url, f"{i}: {PROMPT}") for i in range(3)]
+        alone = [_completion(decode, f"{i}: {PROMPT}") for i in range(3)]
+        assert [v["choices"][0]["token_ids"] for v in via] == [
+            a["choices"][0]["token_ids"] for a in alone
+        ]
+        pulled = scrape(decode, "baton:kv_transfer_bytes_total")
+        assert pulled > 0 and scrape(decode, "baton:kv_transfer_failures_total") == 0
+        prompts = [
+            httpx.post(
+                f"{decode}/tokenize", json={"model": "tiny", "prompt": f"{i}: {PROMPT}"}
+            ).json()["tokens"]
+            for i in range(3)
+        ]
+    finally:
+        assert s.stop() == 0, s.log()
+    from baton import LLM, SamplingParams
+
+    llm = LLM(str(model), max_model_len=512)
+    try:
+        greedy = SamplingParams(max_tokens=12, temperature=0.0)
+        offline = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in offline] == [v["choices"][0]["token_ids"] for v in via]

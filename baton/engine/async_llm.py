@@ -100,7 +100,7 @@ class AsyncLLM:
         self._stats_listeners: list[Any] = []
         self._closing = False
         self.kv_transport: str | None = None  # the KV transport in use; None: no connector
-        self.kv_port: int | None = None
+        self.kv_ports: list[int] | None = None  # where each rank serves its KV shard
 
     @classmethod
     async def start(cls, args: EngineArgs) -> AsyncLLM:
@@ -154,7 +154,7 @@ class AsyncLLM:
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
         self.kv_transport = ready.kv_transport
-        self.kv_port = ready.kv_port
+        self.kv_ports = ready.kv_ports
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_loop()))
         loop.add_reader(self.proc.sentinel, self._on_core_exit)

@@ -71,13 +71,12 @@ class EngineArgs:
                 "distributed_executor_backend 'uni' runs one process: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs 'mp'"
             )
-        if self.kv_transfer is not None and self.tensor_parallel_size > 1:
+        kvt = self.kv_transfer
+        if kvt is not None and kvt.port and kvt.port + self.tensor_parallel_size > 65536:
             raise ValueError(
-                "the KV connector needs tensor_parallel_size 1 for now (prefill and decode "
-                f"engines cannot run tensor_parallel_size {self.tensor_parallel_size} yet)"
+                f"kv port {kvt.port} leaves no room for {self.tensor_parallel_size} ranks "
+                f"(rank r serves on kv port + r)"
             )
-        if self.kv_transfer is not None and backend == "mp":
-            raise ValueError("the KV connector needs the in-process executor ('uni') for now")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

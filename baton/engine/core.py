@@ -19,7 +19,7 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import EngineCoreOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
-from baton.kv_transfer.base import KVConnectorRole
+from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
 from baton.kv_transfer.connector import PullConnector
 
 logger = logging.getLogger(__name__)
@@ -92,17 +92,19 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        # The connector's two halves: the scheduler's (bookkeeping) and the worker's (the
-        # transport, next to the KV tensor). One process holds both, as one GPU's engine does.
+        # The connector's two halves: the scheduler's (bookkeeping, here) and the worker's (the
+        # transport, next to each rank's KV shard: in this process, or one per worker process).
         self.connector: PullConnector | None = None
-        self.connector_worker: PullConnector | None = None
+        self.connector_worker: KVWorkerHalf | None = None
         if args.kv_transfer is not None:
             kvt = args.kv_transfer
-            self.connector_worker = PullConnector(kvt, KVConnectorRole.WORKER, args.block_size)
-            assert self.runner.kv_cache is not None  # EngineArgs allows a connector only here
-            self.connector_worker.register_kv_cache(self.runner.kv_cache)
+            try:
+                self.connector_worker = self.executor.start_kv_transfer(kvt, args.block_size)
+            except BaseException:
+                self.executor.shutdown()
+                raise
             self.connector = PullConnector(kvt, KVConnectorRole.SCHEDULER, args.block_size)
-            self.connector.port = self.connector_worker.port
+            self.connector.ports = self.connector_worker.ports
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -61,13 +61,12 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
     if worker is not None:
         # A finished pull wakes the loop at once instead of at its next poll.
         worker.wake = lambda: inputs.put(_WAKE)
-    transport = worker.transport.name if worker is not None and worker.transport else None
     ready = p.Ready(
         core.num_blocks,
         core.max_model_len,
         str(core.model_path),
-        transport,
-        worker.port if worker is not None else None,
+        worker.transport_name if worker is not None else None,
+        worker.ports if worker is not None else None,
     )
     handshake.send(p.encoder.encode(ready))
     handshake.close(linger=1000)

@@ -43,7 +43,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     model_path: str
     kv_transport: str | None = None  # the KV transport in use (None: no connector)
-    kv_port: int | None = None
+    kv_ports: list[int] | None = None  # one per tensor-parallel rank
 
 
 class Failed(msgspec.Struct, tag="failed"):

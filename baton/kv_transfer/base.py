@@ -23,7 +23,8 @@ import abc
 import enum
 import math
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -53,6 +54,7 @@ class KVTransferConfig:
     lease_seconds: float = 30.0
     load_timeout: float = 10.0  # a pull not done by then has failed
     load_failure_policy: str = "recompute"
+    rank: int = 0  # the tensor-parallel rank whose KV shard this worker half serves
     # New at every engine start, so that a reader never mistakes a restarted engine's memory
     # for the one it was told about.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -78,6 +80,11 @@ class KVTransferConfig:
     def public_host(self) -> str:
         return self.advertise_host or self.host
 
+    def for_rank(self, rank: int) -> KVTransferConfig:
+        """The config of rank `rank`'s worker half: a fixed port becomes `port + rank`, so
+        that every rank of a pod serves its shard on a known port."""
+        return replace(self, rank=rank, port=self.port + rank if self.port else 0)
+
 
 def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     value = params.get(name)
@@ -91,17 +98,33 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+def _port(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
+        raise ValueError(f"kv_transfer_params.{name} {value!r} is not a TCP port")
+    return value
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """Where a decode request's prompt KV lies: the prefill engine's answer, parsed."""
 
     engine_id: str
     host: str
-    port: int
+    port: int  # rank 0's; the one a reader of this shard connects to
     request_id: str
     block_ids: list[int]
     num_prompt_tokens: int
     lease_expires_at: float  # Unix time, seconds
+    # One per tensor-parallel rank of the prefill engine: rank r's shard is served on ports[r].
+    ports: tuple[int, ...] = ()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.ports) or 1
+
+    def for_rank(self, rank: int) -> RemotePrefill:
+        """Where rank `rank`'s shard lies: the matching rank of the prefill engine."""
+        return replace(self, port=self.ports[rank]) if self.ports else self
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemotePrefill:
@@ -109,9 +132,16 @@ class RemotePrefill:
         block_ids = _field(params, "remote_block_ids", list)
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
             raise ValueError("kv_transfer_params.remote_block_ids must be non-negative integers")
-        port = _field(params, "remote_port", int)
-        if not 0 < port < 65536:
-            raise ValueError(f"kv_transfer_params.remote_port {port} is not a TCP port")
+        port = _port(_field(params, "remote_port", int), "remote_port")
+        ports = params.get("remote_ports", [port])
+        if not isinstance(ports, list) or not ports:
+            raise ValueError("kv_transfer_params.remote_ports must be a non-empty list of ports")
+        ports = tuple(_port(p, "remote_ports[]") for p in ports)
+        if ports[0] != port:
+            raise ValueError(
+                f"kv_transfer_params.remote_ports[0] ({ports[0]}) must be remote_port ({port}): "
+                "rank 0's shard is served on remote_port"
+            )
         expires = float(_field(params, "lease_expires_at", (int, float)))
         if not math.isfinite(expires):
             raise ValueError("kv_transfer_params.lease_expires_at must be a finite number")
@@ -123,10 +153,26 @@ class RemotePrefill:
             block_ids=block_ids,
             num_prompt_tokens=_field(params, "num_prompt_tokens", int),
             lease_expires_at=expires,
+            ports=ports,
         )
 
 
-def check_kv_transfer_params(params: dict[str, Any] | None, role: Role | None) -> None:
+def layout_mismatch(remote: RemotePrefill, tensor_parallel_size: int) -> str | None:
+    """Why this engine cannot read `remote`'s blocks, or None. Each rank reads the shard of the
+    matching remote rank, so both engines must split the KV heads alike."""
+    if remote.tensor_parallel_size == tensor_parallel_size:
+        return None
+    return (
+        f"INCOMPATIBLE_LAYOUT: the prefill engine runs tensor_parallel_size "
+        f"{remote.tensor_parallel_size} (kv_transfer_params.remote_ports has "
+        f"{remote.tensor_parallel_size}), this decode engine {tensor_parallel_size}; KV blocks "
+        f"move only between engines of equal tensor_parallel_size"
+    )
+
+
+def check_kv_transfer_params(
+    params: dict[str, Any] | None, role: Role | None, tensor_parallel_size: int = 1
+) -> None:
     """What the API server checks before accepting a request: raises ValueError with a message
     for the client. ``role`` is the engine's (None: the engine has no connector)."""
     if not params:
@@ -154,7 +200,9 @@ def check_kv_transfer_params(params: dict[str, Any] | None, role: Role | None) -
                 f"do_remote_prefill needs an engine of role decode or both; this engine's role "
                 f"is {role or 'both, without a KV transport'}"
             )
-        RemotePrefill.parse(params)
+        mismatch = layout_mismatch(RemotePrefill.parse(params), tensor_parallel_size)
+        if mismatch is not None:
+            raise ValueError(mismatch.split(": ", 1)[1])
 
 
 # ---- what passes from the scheduler half to the worker half --------------------------------
@@ -320,3 +368,26 @@ class KVConnectorBase(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - an optional hook
         """Stops the transport's threads; pulls in progress fail."""
+
+
+class KVWorkerHalf(Protocol):
+    """The worker half as the busy loop drives it: a `KVConnectorBase` worker in this process
+    (tensor_parallel_size 1), or one per rank in the worker processes behind one proxy."""
+
+    wake: Callable[[], None] | None  # called from another thread when something ended
+
+    @property
+    def transport_name(self) -> str: ...
+
+    @property
+    def ports(self) -> list[int]:
+        """One per rank: where that rank's shard is served."""
+        ...
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None: ...
+
+    def get_finished(self) -> KVConnectorOutput: ...
+
+    def has_pending(self) -> bool: ...
+
+    def shutdown(self) -> None: ...

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from baton.kv_transfer.base import (
     LoadSpec,
     RemotePrefill,
     TransferResult,
+    layout_mismatch,
 )
 
 logger = logging.getLogger(__name__)
@@ -74,15 +77,17 @@ class PullConnector(KVConnectorBase):
     ) -> None:
         super().__init__(config, role)
         self.block_size = block_size
+        # ---- both halves: where each rank's shard is served (the scheduler half learns them
+        # from the worker half once its transports have started).
+        self.ports: list[int] = [config.port]
         # ---- scheduler half
-        self.port = config.port  # the transport's port; the core sets it once it is known
         self._meta = KVConnectorMetadata()
         self.num_leased_blocks: dict[str, int] = {}
         # Failures found without a pull (params for another prompt): reported with the pulls'.
         self.rejected: list[TransferResult] = []
         # ---- worker half
         self.transport = transport
-        self.wake: Any = None  # called from a loader thread when a pull ends (wakes the loop)
+        self.wake: Callable[[], None] | None = None  # called when a pull ends (wakes the loop)
         self._lock = threading.Lock()
         self._done: list[TransferResult] = []
         self._num_loading = 0
@@ -91,25 +96,28 @@ class PullConnector(KVConnectorBase):
 
     # ======================== scheduler half ========================
 
-    def _remote(self, request: Any) -> RemotePrefill | None:
-        """The remote prompt KV of a decode request, when its params describe this prompt."""
-        params = request.kv_transfer_params
-        if not wants_remote_prefill(params):
-            return None
-        try:
-            remote = RemotePrefill.parse(params)
-        except ValueError:
-            return None
+    def _remote(self, request: Any) -> RemotePrefill | str:
+        """The remote prompt KV of a decode request with `do_remote_prefill`, or why this
+        engine cannot read it (a failure code and message)."""
         num_prompt = request.num_prompt_tokens
+        bad = (
+            "BAD_PARAMS: kv_transfer_params do not describe this prompt "
+            f"({num_prompt} tokens); recomputing"
+        )
+        try:
+            remote = RemotePrefill.parse(request.kv_transfer_params)
+        except ValueError:
+            return bad
         if remote.num_prompt_tokens != num_prompt:
-            return None
+            return bad
         if len(remote.block_ids) < cdiv(num_prompt - 1, self.block_size):
-            return None
-        return remote
+            return bad
+        return layout_mismatch(remote, len(self.ports)) or remote
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        remote = self._remote(request)
-        if remote is None:
+        if not wants_remote_prefill(request.kv_transfer_params):
+            return 0
+        if isinstance(self._remote(request), str):
             return 0
         # The last prompt token is recomputed here: its logits give the first token.
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
@@ -121,15 +129,8 @@ class PullConnector(KVConnectorBase):
         if not wants_remote_prefill(params):
             return
         remote = self._remote(request)
-        if remote is None:
-            self.rejected.append(
-                TransferResult(
-                    request.request_id,
-                    False,
-                    "BAD_PARAMS: kv_transfer_params do not describe this prompt "
-                    f"({request.num_prompt_tokens} tokens); recomputing",
-                )
-            )
+        if isinstance(remote, str):
+            self.rejected.append(TransferResult(request.request_id, False, remote))
             return
         if num_external == 0:
             self._meta.releases.append(remote)
@@ -162,7 +163,8 @@ class PullConnector(KVConnectorBase):
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
             "remote_host": self.config.public_host,
-            "remote_port": self.port,
+            "remote_port": self.ports[0],
+            "remote_ports": self.ports,
             "remote_request_id": request.request_id,
             "remote_block_ids": lease_ids,
             "num_prompt_tokens": num_prompt,
@@ -183,18 +185,23 @@ class PullConnector(KVConnectorBase):
 
     # ========================= worker half ==========================
 
+    @property
+    def transport_name(self) -> str:
+        return self.transport.name if self.transport is not None else "none"
+
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
         if self.transport is None:
             self.transport = make_transport(self.config)
-        self.port = self.transport.start(kv_cache)
+        self.ports = [self.transport.start(kv_cache)]
         self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
         logger.info(
-            "KV connector: role %s, transport %s on %s:%d, engine id %s",
+            "KV connector: role %s, transport %s on %s:%d, engine id %s, rank %d",
             self.config.role,
             self.transport.name,
             self.config.public_host,
-            self.port,
+            self.ports[0],
             self.config.engine_id,
+            self.config.rank,
         )
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
@@ -204,12 +211,14 @@ class PullConnector(KVConnectorBase):
         for lease in metadata.leases:
             transport.lease(lease.req_id, lease.block_ids, lease.expires_at)
             self._num_leases += 1
+        rank = self.config.rank  # this rank reads the matching rank's shard
         for spec in metadata.loads:
             with self._lock:
                 self._num_loading += 1
-            pool.submit(self._pull, spec)
+            pool.submit(self._pull, replace(spec, remote=spec.remote.for_rank(rank)))
         for remote in metadata.releases:
-            pool.submit(transport.release_remote, remote, time.monotonic() + _RELEASE_TIMEOUT_S)
+            deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+            pool.submit(transport.release_remote, remote.for_rank(rank), deadline)
 
     def _pull(self, spec: LoadSpec) -> None:
         assert self.transport is not None

@@ -159,7 +159,8 @@ class NixlTransport:
             backends=[],
             sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self._agent = _nixl.nixl_agent(f"baton-{self.config.engine_id}", config)
+        name = f"baton-{self.config.engine_id}-{self.config.rank}"  # one agent per rank
+        self._agent = _nixl.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg = self._agent.register_memory(kv_cache)
         self._kv = kv_cache

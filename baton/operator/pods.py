@@ -138,7 +138,11 @@ def engine_pod(
         "args": engine_args(spec, pool),
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
-            {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"},
+            # Each tensor-parallel rank serves its KV shard on its own port: rank r on +r.
+            *(
+                {"name": f"kv-{r}" if r else "kv", "containerPort": KV_PORT + r, "protocol": "TCP"}
+                for r in range(pool.tensor_parallel_size)
+            ),
         ],
         "env": [pod_ip, *copy.deepcopy(pool.env)],
         "resources": engine_resources(pool),

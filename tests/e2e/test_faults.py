@@ -215,7 +215,7 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
     peer = _StallingPeer()
     b, d = prompt_ids(21), prompt_ids(22)
     prefill_step(p0, b)  # a lease the victim will never pull
-    params_d = prefill_step(p0, d) | {"remote_port": peer.port}  # its pull hangs
+    params_d = prefill_step(p0, d) | {"remote_port": peer.port, "remote_ports": [peer.port]}
     try:
         with ThreadPoolExecutor(2) as pool:
             pull = _timed(pool, decode_step, victim, d, params_d)
@@ -355,7 +355,9 @@ def test_connection_between_engines_cut(fleet: Fleet, mode: str) -> None:
     proxy = _CuttingProxy(params["remote_port"], mode)
     try:
         start = time.monotonic()
-        r = decode_step(d0, prompt, params | {"remote_port": proxy.port})
+        r = decode_step(
+            d0, prompt, params | {"remote_port": proxy.port, "remote_ports": [proxy.port]}
+        )
         took = time.monotonic() - start
     finally:
         proxy.close()

@@ -5,6 +5,8 @@ ends."""
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -12,16 +14,18 @@ import pytest
 
 from baton.engine.config import EngineArgs
 from baton.engine.core import EngineCore
+from baton.engine.executor import WorkerDiedError
+from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler.output import EngineCoreOutput
-from baton.kv_transfer.base import KVTransferConfig
+from baton.kv_transfer.base import KVTransferConfig, check_kv_transfer_params
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def _engine(model: Path, role: str | None, **kv: object) -> EngineCore:
+def _engine(model: Path, role: str | None, tp: int = 1, **kv: object) -> EngineCore:
     kvt = KVTransferConfig(role=role, **kv) if role else None  # type: ignore[arg-type]
     args = EngineArgs(
         model=str(model),
@@ -29,6 +33,7 @@ def _engine(model: Path, role: str | None, **kv: object) -> EngineCore:
         block_size=BLOCK,
         num_gpu_blocks_override=128,
         kv_transfer=kvt,
+        tensor_parallel_size=tp,
     )
     return EngineCore(args)
 
@@ -83,19 +88,14 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+def _prefill_request(request_id: str, prompt: list[int]) -> Request:
+    """The prefill step of a hand-off: one token, the prompt's blocks leased."""
+    hand_off = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    return Request(request_id, prompt, hand_off, kv_transfer_params={"do_remote_decode": True})
+
+
 def _hand_off(prefill: EngineCore, decode: EngineCore, prompts, decode_params=None):
-    pre = _run(
-        prefill,
-        [
-            Request(
-                f"p{i}",
-                ids,
-                SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                kv_transfer_params={"do_remote_decode": True},
-            )
-            for i, ids in enumerate(prompts)
-        ],
-    )
+    pre = _run(prefill, [_prefill_request(f"p{i}", ids) for i, ids in enumerate(prompts)])
     reqs = []
     for i, ids in enumerate(prompts):
         params = dict(pre[f"p{i}"].kv_transfer_params or {})
@@ -116,8 +116,8 @@ def test_disaggregated_equals_single_engine(model: Path, transport: str) -> None
         _engine(model, "decode", transport=transport),
     )
     try:
-        assert decode.connector_worker and decode.connector_worker.transport
-        assert decode.connector_worker.transport.name == transport  # no silent TCP fallback
+        assert decode.connector_worker is not None
+        assert decode.connector_worker.transport_name == transport  # no silent TCP fallback
         pre, got = _hand_off(prefill, decode, prompts)
         for i in range(len(prompts)):
             assert got[f"d{i}"].new_token_ids == want[f"s{i}"].new_token_ids, i
@@ -175,17 +175,7 @@ def test_restarted_prefill_engine_follows_the_failure_policy(
     prompt = list(range(10, 40))
     want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
     try:
-        pre = _run(
-            prefill,
-            [
-                Request(
-                    "p",
-                    prompt,
-                    SamplingParams(max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True},
-                )
-            ],
-        )
+        pre = _run(prefill, [_prefill_request("p", prompt)])
         params = dict(
             pre["p"].kv_transfer_params or {},
             remote_engine_id="someone-else",
@@ -209,17 +199,7 @@ def test_unclaimed_lease_expires_and_frees_blocks(model: Path, transport: str) -
     """Nobody pulls: the lease expires after its time and the prefill engine's blocks return."""
     prefill = _engine(model, "prefill", lease_seconds=0.3, transport=transport)
     try:
-        _run(
-            prefill,
-            [
-                Request(
-                    "p",
-                    list(range(3, 30)),
-                    SamplingParams(max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True},
-                )
-            ],
-        )
+        _run(prefill, [_prefill_request("p", list(range(3, 30)))])
         assert prefill.scheduler.kv.usage() > 0
         assert prefill.scheduler.make_stats().kv_blocks_leased == 7
         _drain(prefill)
@@ -265,17 +245,7 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
         _engine(model, "decode", transport=transport),
     )
     try:
-        pre = _run(
-            prefill,
-            [
-                Request(
-                    "p",
-                    list(range(3, 40)),
-                    SamplingParams(max_tokens=1),
-                    kv_transfer_params={"do_remote_decode": True},
-                )
-            ],
-        )
+        pre = _run(prefill, [_prefill_request("p", list(range(3, 40)))])
         decode.add_request(
             Request("d", list(range(3, 40)), GREEDY, kv_transfer_params=pre["p"].kv_transfer_params)
         )
@@ -288,3 +258,91 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.slow  # four worker processes
+@pytest.mark.parametrize("kv_heads", [None, 1], ids=["split-kv-heads", "replicated-kv-head"])
+def test_tp2_disaggregated_equals_single_engine(
+    tiny_model, transport: str, kv_heads: int | None
+) -> None:
+    """Prefill and decode engines with tensor_parallel_size 2: each decode rank pulls its shard
+    from the matching prefill rank, and the answers equal one tensor_parallel_size 1 engine's
+    (with the KV heads split across the ranks, and with one KV head replicated on both)."""
+    path = tiny_model("llama") if kv_heads is None else tiny_model("llama", num_key_value_heads=1)
+    prompts = _prompts()
+    single = _engine(path, None)
+    want = _run(single, [Request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
+    single.shutdown()
+    prefill = _engine(path, "prefill", tp=2, transport=transport)
+    try:
+        decode = _engine(path, "decode", tp=2, transport=transport)
+    except BaseException:
+        prefill.shutdown()
+        raise
+    try:
+        assert decode.connector_worker is not None
+        assert decode.connector_worker.transport_name == transport
+        ports = decode.connector_worker.ports
+        assert len(ports) == 2 and ports[0] != ports[1]  # one server per rank
+        pre, got = _hand_off(prefill, decode, prompts)
+        for i in range(len(prompts)):
+            assert got[f"d{i}"].new_token_ids == want[f"s{i}"].new_token_ids, i
+            params = pre[f"p{i}"].kv_transfer_params or {}
+            assert len(params["remote_ports"]) == 2
+        results = decode.scheduler.kv_transfer_results
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert len(results) == sum(len(p) > 1 for p in prompts)
+        _drain(prefill)
+        _drain(decode)
+        assert not prefill.scheduler.leased  # claimed on both ranks
+        assert prefill.scheduler.kv.usage() == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.slow
+def test_unequal_tensor_parallel_sizes_are_refused(model: Path) -> None:
+    """A decode engine never reads shards laid out for another tensor_parallel_size: the pull
+    is refused with INCOMPATIBLE_LAYOUT and the request is computed locally (the API server
+    refuses such params up front with a 400); the prefill engine's leases on both ranks
+    expire and free the blocks."""
+    prefill = _engine(model, "prefill", tp=2, lease_seconds=1.0)
+    decode = _engine(model, "decode")
+    single = _engine(model, None)
+    prompt = list(range(10, 40))
+    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    try:
+        pre = _run(prefill, [_prefill_request("p", prompt)])
+        params = pre["p"].kv_transfer_params or {}
+        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        assert got.new_token_ids == want
+        (result,) = decode.scheduler.kv_transfer_results
+        assert result.reason == "INCOMPATIBLE_LAYOUT" and "tensor_parallel_size 2" in result.error
+        with pytest.raises(ValueError, match=r"tensor_parallel_size 2.*this decode engine 1"):
+            check_kv_transfer_params(params, "decode", 1)
+        check_kv_transfer_params(params, "decode", 2)
+        _drain(prefill)
+        assert prefill.scheduler.make_stats().kv_leases_expired == 1
+        assert prefill.scheduler.kv.usage() == 0.0
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_engine_instead_of_hanging(model: Path) -> None:
+    """A tensor-parallel prefill engine whose rank 1 is killed while a lease is out: the next
+    request ends in `WorkerDiedError` within seconds (the server then answers 503 and exits)."""
+    prefill = _engine(model, "prefill", tp=2)
+    try:
+        _run(prefill, [_prefill_request("a", list(range(3, 30)))])
+        assert prefill.scheduler.leased  # both ranks serve the lease
+        assert isinstance(prefill.executor, MultiprocExecutor)
+        os.kill(prefill.executor.worker_pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            _run(prefill, [_prefill_request("b", list(range(5, 40)))])
+        assert time.monotonic() - start < 10
+    finally:
+        prefill.shutdown()

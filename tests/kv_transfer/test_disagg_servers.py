@@ -281,7 +281,11 @@ def test_bad_peers_are_detected_and_recomputed(
     peer = _BadPeer(mode)
     try:
         start = time.monotonic()
-        r = _complete(decode, prompt, kv_transfer_params=params | {"remote_port": peer.port})
+        r = _complete(
+            decode,
+            prompt,
+            kv_transfer_params=params | {"remote_port": peer.port, "remote_ports": [peer.port]},
+        )
         assert time.monotonic() - start < 6
         assert _tokens(r) == _tokens(_complete(single, prompt))
     finally:
@@ -305,3 +309,12 @@ def test_bad_kv_transfer_params_are_400(prefill: Server, decode: Server) -> None
     assert "n=1" in error["message"]
     policy = {"do_remote_decode": True, "kv_load_failure_policy": "retry"}
     expect_error(_complete(prefill, [1, 2], kv_transfer_params=policy), 400)
+    # Shards laid out for another tensor_parallel_size are refused, naming both sizes.
+    prompt = list(range(400, 420))
+    params = _prefill_step(prefill, prompt)
+    two_ranks = params | {"remote_ports": [params["remote_port"], params["remote_port"] + 1]}
+    error = expect_error(_complete(decode, prompt, kv_transfer_params=two_ranks), 400)
+    assert "tensor_parallel_size 2" in error["message"] and "decode engine 1" in error["message"]
+    other_rank0 = params | {"remote_ports": [params["remote_port"] + 1]}
+    error = expect_error(_complete(decode, prompt, kv_transfer_params=other_rank0), 400)
+    assert "remote_ports[0]" in error["message"]

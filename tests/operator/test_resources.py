@@ -193,6 +193,12 @@ def test_pool_fields_reach_the_pod() -> None:
     assert pod["tolerations"] == pool["tolerations"]
     assert engine["env"][1:] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    # Each rank serves its KV shard on its own port (rank r on the KV port + r).
+    assert [(p["name"], p["containerPort"]) for p in engine["ports"]] == [
+        ("http", 8000),
+        ("kv", 14579),
+        ("kv-1", 14580),
+    ]
     decode = container(build(spec)[("Deployment", "llama-decode")])
     assert "nvidia.com/gpu" not in decode["resources"].get("limits", {})  # asked for none
 

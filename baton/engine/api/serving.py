@@ -115,13 +115,14 @@ class EngineServer:
             "model": self.model_name,
             "role": self.role,
             "kv_transport": self.llm.kv_transport,
-            "kv_port": self.llm.kv_port,
+            "kv_port": self.llm.kv_ports[0] if self.llm.kv_ports else None,
+            "kv_ports": self.llm.kv_ports,
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
     def _check_kv_transfer(self, params: dict[str, Any] | None, num_prompts: int, n: int) -> None:
         try:
-            check_kv_transfer_params(params, self.kv_role)
+            check_kv_transfer_params(params, self.kv_role, self.tensor_parallel_size)
         except ValueError as e:
             raise p.APIError(400, str(e), "kv_transfer_params") from None
         handing_off = params and (params.get("do_remote_decode") or params.get("do_remote_prefill"))

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Protocol
 
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from baton.kv_transfer.base import KVTransferConfig, KVWorkerHalf
 
 
 class WorkerDiedError(RuntimeError):
@@ -39,6 +40,11 @@ class Executor(ABC):
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Every rank allocates its shard of `num_blocks` KV blocks; returns when all have."""
+
+    @abstractmethod
+    def start_kv_transfer(self, config: KVTransferConfig, block_size: int) -> KVWorkerHalf:
+        """Starts the KV connector's worker half next to every rank's KV shard (after
+        `allocate_kv_cache`); rank r serves its shard on the returned `ports[r]`."""
 
     @abstractmethod
     def execute_model_async(self, out: SchedulerOutput) -> StepResult:

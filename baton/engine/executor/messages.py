@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.worker.model_runner import RunnerConfig
+from baton.kv_transfer.base import KVConnectorOutput, KVTransferConfig
 
 # ---- core -> every worker (published) --------------------------------------------------------
 
@@ -66,3 +67,33 @@ class WorkerConfig:
     parent_pid: int  # the EngineCore: a worker whose parent is gone exits
     num_threads: int  # torch intra-op threads
     log_level: int
+
+
+# ---- the KV connector's worker half, one per rank (baton/engine/executor/kv_ranks.py) ---------
+
+
+@dataclass(frozen=True)
+class StartKVConnector:
+    """Published like a step: every rank starts its worker half on its KV shard."""
+
+    config: KVTransferConfig  # rank 0's; each rank takes `config.for_rank(rank)`
+    block_size: int
+    meta_address: str  # the core publishes each step's `KVConnectorMetadata` here
+    results_address: str  # ranks PUSH their `RankKVOutput`s here
+
+
+@dataclass(frozen=True)
+class KVConnectorReady:
+    rank: int
+    port: int  # where this rank serves its shard
+    transport: str
+
+
+@dataclass(frozen=True)
+class RankKVOutput:
+    """What one rank's worker half reports: its ended pulls and leases, and the last
+    metadata it has acted on (`acked`), so that the core knows a lease is being served."""
+
+    rank: int
+    acked: int
+    output: KVConnectorOutput

@@ -23,14 +23,18 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import zmq
 
 from baton.engine.executor.base import Executor, WorkerDiedError
+from baton.engine.executor.kv_ranks import RankedKVWorker
 from baton.engine.executor.messages import (
     AllocateKVCache,
     KVCacheReady,
+    KVConnectorReady,
     Shutdown,
+    StartKVConnector,
     WorkerConfig,
     WorkerFailed,
     WorkerReady,
@@ -38,12 +42,17 @@ from baton.engine.executor.messages import (
 from baton.engine.models.config import ModelConfig
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.model_runner import RunnerConfig
+from baton.kv_transfer.base import KVTransferConfig
 
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT = 1800.0  # loading a real model's shard can take minutes
 _POLL_MS = 100  # where no pidfd tells of a worker's exit at once, check this often
+_KV_START_TIMEOUT = 120.0  # every rank registers its KV shard with the transport
 _STOP_GRACE = 1.0  # seconds a worker gets to leave on Shutdown before it is killed
+
+
+_Ready = TypeVar("_Ready", WorkerReady, KVConnectorReady)
 
 
 def _free_port() -> int:
@@ -124,6 +133,7 @@ class MultiprocExecutor(Executor):
         self._results.bind(f"{base}/results")
         self._poller = zmq.Poller()
         self._poller.register(self._results, zmq.POLLIN)
+        self._base = base
         self._published = 0  # steps published so far
         self._received = 0  # outputs read so far
         self._outputs: dict[int, ModelRunnerOutput] = {}
@@ -174,30 +184,36 @@ class MultiprocExecutor(Executor):
 
     def _start(self, timeout: float) -> list[WorkerReady]:
         """Waits until every rank has loaded its shard and subscribed to the steps."""
+        ready = self._gather(WorkerReady, self._steps, timeout)
+        return [ready[r] for r in range(self.tensor_parallel_size)]
+
+    def _gather(self, kind: type[_Ready], xpub: zmq.Socket, timeout: float) -> dict[int, _Ready]:
+        """One `kind` message from every rank, and every rank subscribed to `xpub`."""
         n = self.tensor_parallel_size
-        ready: dict[int, WorkerReady] = {}
+        got: dict[int, _Ready] = {}
         subscribed = 0
-        self._poller.register(self._steps, zmq.POLLIN)
+        self._poller.register(xpub, zmq.POLLIN)
         deadline = time.monotonic() + timeout
         try:
-            while len(ready) < n or subscribed < n:
+            while len(got) < n or subscribed < n:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the workers were not ready within {timeout:.0f} s")
                 events = dict(self._poller.poll(_POLL_MS))
-                if self._steps in events:
-                    if self._steps.recv()[:1] == b"\x01":
+                if xpub in events:
+                    if xpub.recv()[:1] == b"\x01":
                         subscribed += 1
                     continue
                 if self._results in events:
                     msg = self._read()
-                    if not isinstance(msg, WorkerReady):
-                        raise RuntimeError(f"a worker sent {type(msg).__name__} before READY")
-                    ready[msg.rank] = msg
+                    if not isinstance(msg, kind):
+                        got_kind, want = type(msg).__name__, kind.__name__
+                        raise RuntimeError(f"a worker sent {got_kind}, not {want}")
+                    got[msg.rank] = msg
                     continue
                 self.check_health()
         finally:
-            self._poller.unregister(self._steps)
-        return [ready[r] for r in range(n)]
+            self._poller.unregister(xpub)
+        return got
 
     # ---- the Executor interface ----------------------------------------------------------
 
@@ -215,6 +231,25 @@ class MultiprocExecutor(Executor):
             if not isinstance(msg, KVCacheReady):
                 raise RuntimeError(f"a worker sent {type(msg).__name__} instead of KV READY")
             acks.add(msg.rank)
+
+    def start_kv_transfer(self, config: KVTransferConfig, block_size: int) -> RankedKVWorker:
+        """Every rank starts the connector's worker half on its shard, on its own port."""
+        meta = self._workers.ctx.socket(zmq.XPUB)
+        meta.setsockopt(zmq.XPUB_VERBOSE, 1)
+        meta.setsockopt(zmq.SNDHWM, 0)
+        meta.bind(f"{self._base}/kv-meta")
+        results = f"{self._base}/kv-results"
+        proxy = RankedKVWorker(self._workers.ctx, meta, results, self.tensor_parallel_size)
+        proxy.check_health = self.check_health
+        self._publish(StartKVConnector(config, block_size, f"{self._base}/kv-meta", results))
+        try:
+            ready = self._gather(KVConnectorReady, meta, _KV_START_TIMEOUT)
+        except BaseException:
+            proxy.shutdown()
+            raise
+        proxy.ports = [ready[r].port for r in range(self.tensor_parallel_size)]
+        proxy.transport_name = ready[0].transport
+        return proxy
 
     def execute_model_async(self, out: SchedulerOutput) -> _Step | _Done:
         if not (out.total_num_scheduled_tokens or out.finished_req_ids):

@@ -8,6 +8,8 @@ from baton.engine.executor.base import Executor
 from baton.engine.models.config import ModelConfig
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
+from baton.kv_transfer.base import KVConnectorRole, KVTransferConfig
+from baton.kv_transfer.connector import PullConnector
 
 
 class UniProcExecutor(Executor):
@@ -33,6 +35,12 @@ class UniProcExecutor(Executor):
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
+
+    def start_kv_transfer(self, config: KVTransferConfig, block_size: int) -> PullConnector:
+        worker = PullConnector(config, KVConnectorRole.WORKER, block_size)
+        assert self.runner.kv_cache is not None, "allocate_kv_cache first"
+        worker.register_kv_cache(self.runner.kv_cache)
+        return worker
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(out)

@@ -20,10 +20,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from baton.engine.executor.kv_ranks import RankKV
 from baton.engine.executor.messages import (
     AllocateKVCache,
     KVCacheReady,
+    KVConnectorReady,
     Shutdown,
+    StartKVConnector,
     WorkerConfig,
     WorkerFailed,
     WorkerReady,
@@ -71,7 +74,7 @@ def run_worker(config: WorkerConfig) -> None:
         steps.connect(config.step_address)
         memory = torch.cuda.mem_get_info(device) if device.type == "cuda" else None
         push.send(pickle.dumps(WorkerReady(config.rank, runner.kv_bytes_per_block(), memory)))
-        _serve(config, runner, steps, push)
+        _serve(ctx, config, runner, steps, push)
     except Exception as e:
         logger.exception("worker rank %d failed", config.rank)
         push.send(pickle.dumps(WorkerFailed(config.rank, f"{type(e).__name__}: {e}")))
@@ -81,26 +84,38 @@ def run_worker(config: WorkerConfig) -> None:
         dist.destroy_process_group()
 
 
-def _serve(config: WorkerConfig, runner: ModelRunner, steps: zmq.Socket, push: zmq.Socket) -> None:
+def _serve(
+    ctx: zmq.Context, config: WorkerConfig, runner: ModelRunner, steps: zmq.Socket, push: zmq.Socket
+) -> None:
     send_outputs = config.rank == 0
-    while True:
-        if not steps.poll(_PARENT_POLL_MS):
-            if os.getppid() != config.parent_pid:
-                logger.warning("worker rank %d: the engine core is gone; exiting", config.rank)
+    kv: RankKV | None = None  # the KV connector's worker half for this rank's shard
+    try:
+        while True:
+            if not steps.poll(_PARENT_POLL_MS):
+                if os.getppid() != config.parent_pid:
+                    logger.warning("worker rank %d: the engine core is gone; exiting", config.rank)
+                    return
+                continue
+            msg = pickle.loads(steps.recv())
+            if isinstance(msg, SchedulerOutput):
+                output = runner.execute_model(msg)
+                if send_outputs:
+                    push.send(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
+            elif isinstance(msg, AllocateKVCache):
+                runner.allocate_kv_cache(msg.num_blocks)
+                push.send(pickle.dumps(KVCacheReady(config.rank)))
+            elif isinstance(msg, StartKVConnector):
+                assert runner.kv_cache is not None, "the KV cache comes first"
+                kv = RankKV(ctx, msg, config.rank, runner.kv_cache)
+                ready = KVConnectorReady(config.rank, kv.port, kv.connector.transport_name)
+                push.send(pickle.dumps(ready))
+            elif isinstance(msg, Shutdown):
                 return
-            continue
-        msg = pickle.loads(steps.recv())
-        if isinstance(msg, SchedulerOutput):
-            output = runner.execute_model(msg)
-            if send_outputs:
-                push.send(pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL))
-        elif isinstance(msg, AllocateKVCache):
-            runner.allocate_kv_cache(msg.num_blocks)
-            push.send(pickle.dumps(KVCacheReady(config.rank)))
-        elif isinstance(msg, Shutdown):
-            return
-        else:
-            raise RuntimeError(f"unexpected message {type(msg).__name__}")
+            else:
+                raise RuntimeError(f"unexpected message {type(msg).__name__}")
+    finally:
+        if kv is not None:
+            kv.stop()
 
 
 def main() -> None:

@@ -177,7 +177,7 @@ class FakeLLM:
         self.max_model_len = 64
         self.args = EngineArgs()
         self.kv_transport: str | None = None
-        self.kv_port: int | None = None
+        self.kv_ports: list[int] | None = None
         self.stats = EngineStats()
         self.dead_error: Exception | None = None
         self.aborted: list[str] = []

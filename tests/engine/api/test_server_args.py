@@ -56,11 +56,13 @@ def test_bad_kv_flags_fail() -> None:
 
 
 def test_tensor_parallel_flags() -> None:
-    """--tensor-parallel-size (or -tp) picks the multiprocess executor; a prefill or decode
-    engine refuses it, since the KV connector cannot move sharded caches yet."""
+    """--tensor-parallel-size (or -tp) picks the multiprocess executor, for prefill and decode
+    engines too; a fixed --kv-port is rank 0's, rank r serves on port + r."""
     engine, _ = configs_from_args(_parse("--tensor-parallel-size", "2"))
     assert (engine.tensor_parallel_size, engine.executor_backend) == (2, "mp")
     engine, _ = configs_from_args(_parse("-tp", "1", "--distributed-executor-backend", "mp"))
     assert (engine.tensor_parallel_size, engine.executor_backend) == (1, "mp")
-    with pytest.raises(ValueError, match="KV connector needs tensor_parallel_size 1"):
-        configs_from_args(_parse("--role", "decode", "-tp", "2"))
+    engine, _ = configs_from_args(_parse("--role", "decode", "-tp", "2", "--kv-port", "7000"))
+    assert engine.tensor_parallel_size == 2 and engine.kv_transfer is not None
+    assert [engine.kv_transfer.for_rank(r).port for r in range(2)] == [7000, 7001]
+    assert engine.kv_transfer.for_rank(1).rank == 1

@@ -34,10 +34,11 @@ def _workers(llm: LLM) -> list[int]:
     return executor.worker_pids
 
 
-def test_kv_connector_and_uni_executor_refuse_tensor_parallelism() -> None:
-    """Engine args that cannot work with tensor parallelism fail with a clear ValueError."""
-    with pytest.raises(ValueError, match="KV connector needs tensor_parallel_size 1"):
-        EngineArgs(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role="prefill"))
+def test_uni_executor_refuses_tensor_parallelism() -> None:
+    """Engine args that cannot work with tensor parallelism fail with a clear ValueError; a
+    KV connector works with any tensor_parallel_size and either executor."""
+    EngineArgs(tensor_parallel_size=2, kv_transfer=KVTransferConfig(role="prefill"))
+    EngineArgs(distributed_executor_backend="mp", kv_transfer=KVTransferConfig(role="decode"))
     with pytest.raises(ValueError, match="needs 'mp'"):
         EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni")
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
