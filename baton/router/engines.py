@@ -36,6 +36,8 @@ class EngineState:
     scraped_load: float = 0.0
     in_flight_at_scrape: int = 0
     kv_cache_usage: float = 0.0
+    # From /health: KV blocks move only between engines of equal tensor_parallel_size.
+    tensor_parallel_size: int | None = None  # None: not known (yet)
 
     def __post_init__(self) -> None:
         if self.endpoint.model is not None and not self.models:
@@ -53,6 +55,12 @@ class EngineState:
         """Healthy by its last check, not ejected, and its models known."""
         ejected = self.ejected_until is not None and now < self.ejected_until
         return self.healthy and not ejected and bool(self.models)
+
+    def can_pair_with(self, other: EngineState) -> bool:
+        """Whether a KV hand-off between the two can work: equal tensor-parallel layouts, or
+        one not known (the engine then refuses a mismatch with a 400)."""
+        mine, theirs = self.tensor_parallel_size, other.tensor_parallel_size
+        return mine is None or theirs is None or mine == theirs
 
     def load(self) -> float:
         """Requests on the engine: the scraped count, corrected by what changed since."""

@@ -75,14 +75,22 @@ class Handoff:
             return await self._decode(routed, decode, "skipped_short", "short prompt")
         if self._cached_fraction(routed, decode) >= config.disagg_cached_fraction:
             return await self._decode(routed, decode, "skipped_cached", "cached on decode")
-        if not router.engines.available(routed.model, PREFILL_ROLES):
+        prefills = router.engines.available(routed.model, PREFILL_ROLES)
+        if not prefills:
             return await self._no_prefill(
                 routed, decode, f"no healthy prefill engine serves the model `{routed.model}`"
+            )
+        if not any(p.can_pair_with(decode) for p in prefills):
+            return await self._no_prefill(
+                routed,
+                decode,
+                f"no healthy prefill engine of the model `{routed.model}` has the decode "
+                f"engine's tensor_parallel_size {decode.tensor_parallel_size}",
             )
         try:
             answer = await router.upstream.send(
                 routed.route,
-                router.picker(routed, PREFILL_ROLES, router.prefill_policy),
+                router.picker(routed, PREFILL_ROLES, router.prefill_policy, pair=decode),
                 json.dumps(prefill_body(routed.route, routed.body)).encode(),
                 routed.headers,
                 stream=False,
@@ -113,6 +121,7 @@ class Handoff:
             json.dumps(decode_body(routed.body, params)).encode(),
             none_available=f"no healthy decode engine serves the model `{routed.model}`",
             first=decode,
+            pair=answer.engine,  # a retry goes to a decode engine that can read these blocks
             extra_headers={"x-baton-prefill-engine": answer.engine.url},
         )
 

@@ -103,9 +103,11 @@ class HealthMonitor:
         """One active check: /health, then /v1/models while unknown, then /metrics."""
         ok, why = False, ""
         try:
-            status, _ = await self._get(state, "/health")
+            status, body = await self._get(state, "/health")
             ok = status == 200
             why = f"/health answered {status}"
+            if ok:
+                state.tensor_parallel_size = _tensor_parallel_size(body)
             if ok and not state.cards:
                 await self._fetch_models(state)
                 ok = bool(state.models)
@@ -181,3 +183,12 @@ class HealthMonitor:
         state.ejected_until = now + self.config.eject_seconds
         state.healthy = False  # back only after an active check passes
         self.metrics.ejection(state.url)
+
+
+def _tensor_parallel_size(health: bytes) -> int | None:
+    """The engine's tensor_parallel_size from its /health answer, if it says."""
+    try:
+        size = json.loads(health).get("tensor_parallel_size")
+    except (ValueError, AttributeError):
+        return None
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None

@@ -189,10 +189,14 @@ class Router:
         roles: Collection[Role],
         policy: Policy,
         exclude: Collection[str] = (),
+        pair: EngineState | None = None,
     ) -> EngineState | None:
-        """The engine `policy` (or the session) picks among the available ones of `roles`."""
+        """The engine `policy` (or the session) picks among the available ones of `roles`
+        (those that can hand KV to or from `pair`, when given)."""
         candidates = [
-            s for s in self.engines.available(routed.model, roles) if s.url not in exclude
+            s
+            for s in self.engines.available(routed.model, roles)
+            if s.url not in exclude and (pair is None or s.can_pair_with(pair))
         ]
         if not candidates:
             return None
@@ -206,15 +210,17 @@ class Router:
         roles: Collection[Role],
         policy: Policy,
         first: EngineState | None = None,
+        pair: EngineState | None = None,
     ) -> Pick:
-        """The `Pick` for `Upstream.send`: `first` if given, then the policy's choices. Each
-        pick is remembered in the prefix index: the engine will hold the prompt's blocks."""
+        """The `Pick` for `Upstream.send`: `first` if given, then the policy's choices (among
+        the engines that can pair with `pair`). Each pick is remembered in the prefix index:
+        the engine will hold the prompt's blocks."""
         hashes = routed.prompt.block_hashes(self.config.prefix_block_chars)
 
         def pick(tried: set[str]) -> EngineState | None:
             engine: EngineState | None = first
             if engine is None or engine.url in tried:
-                engine = self.choose(routed, roles, policy, tried)
+                engine = self.choose(routed, roles, policy, tried, pair)
             if engine is not None and hashes:
                 self.index.record(engine.url, hashes)
             return engine
@@ -248,13 +254,14 @@ class Router:
         *,
         none_available: str,
         first: EngineState | None = None,
+        pair: EngineState | None = None,
         extra_headers: dict[str, str] | None = None,
     ) -> Response:
         """Sends `content` to an engine of `roles` (retrying elsewhere before the first byte)
         and answers the client with what comes back."""
         send = self.upstream.send(
             routed.route,
-            self.picker(routed, roles, policy, first),
+            self.picker(routed, roles, policy, first, pair),
             content,
             routed.headers,
             stream=routed.stream,
@@ -312,6 +319,7 @@ class Router:
                 "healthy": s.healthy,
                 "available": s.available(now),
                 "in_flight": s.in_flight,
+                "tensor_parallel_size": s.tensor_parallel_size,
                 "load": s.load(),
                 "consecutive_failures": s.consecutive_failures,
                 "prefix_index_blocks": self.index.num_blocks(s.url),

@@ -90,6 +90,7 @@ class FakeEngine:
         self.running = 0.0  # vllm:num_requests_running reported on top of in-flight requests
         self.waiting = 0.0
         self.omit_kv_params = False  # a prefill engine that forgets its half of the contract
+        self.tensor_parallel_size: int | None = None  # said in /health when set
         # -- what happened --
         self.requests: list[dict[str, Any]] = []  # generation request bodies, in order
         self.in_flight = 0
@@ -111,7 +112,10 @@ class FakeEngine:
     # -- routes --
 
     async def health(self, _: Request) -> Response:
-        return Response(status_code=200 if self.healthy else 503)
+        if self.tensor_parallel_size is None:
+            return Response(status_code=200 if self.healthy else 503)
+        body = {"status": "ok", "tensor_parallel_size": self.tensor_parallel_size}
+        return JSONResponse(body, status_code=200 if self.healthy else 503)
 
     async def models(self, _: Request) -> Response:
         card = {"id": self.model, "object": "model", "owned_by": "fake", "root": f"/{self.model}"}

@@ -191,3 +191,37 @@ def test_killing_one_decode_engine_moves_requests_to_the_other(cluster: FakeClus
             answer = client.completions.create(model="fake", prompt=f"x{i} {LONG}", max_tokens=2)
             assert answer.choices[0].text
         assert len(second.requests) == 8
+
+
+@pytest.mark.parametrize("on_no_prefill", ["decode", "fail"])
+def test_hand_offs_pair_engines_of_equal_tensor_parallel_size(
+    cluster: FakeCluster, on_no_prefill: str
+) -> None:
+    """KV blocks move only between engines of equal tensor_parallel_size (their /health says):
+    a decode engine of 2 gets its prefill from the prefill engine of 2, never the one of 1; a
+    decode engine of 4, with no prefill engine of 4, follows --on-no-prefill, counted."""
+    one, _ = cluster.add("prefill")
+    two, _ = cluster.add("prefill")
+    decode, _ = cluster.add("decode")
+    lone, _ = cluster.add("decode", model="other")
+    cluster.add("prefill", model="other")[0].tensor_parallel_size = 1
+    one.tensor_parallel_size, two.tensor_parallel_size = 1, 2
+    decode.tensor_parallel_size, lone.tensor_parallel_size = 2, 4
+    with routed(
+        cluster, prefill_policy="round-robin", disagg_cached_fraction=1.0,
+        on_no_prefill=on_no_prefill,
+    ) as router:  # fmt: skip
+        client = _client(router.url)
+        for i in range(4):
+            client.completions.create(model="fake", prompt=f"{i} {LONG}", max_tokens=2)
+        assert (one.prefills, two.prefills) == (0, 4)
+        r = httpx.post(
+            f"{router.url}/v1/completions", json={"model": "other", "prompt": LONG}, timeout=10
+        )
+        if on_no_prefill == "decode":
+            assert r.status_code == 200 and lone.requests
+            assert _outcomes(router) == {**_only("disaggregated", 4), "decode_only_fallback": 1}
+        else:
+            assert r.status_code == 503
+            assert "tensor_parallel_size 4" in r.json()["error"]["message"]
+            assert _outcomes(router) == {**_only("disaggregated", 4), "failed": 1}
