@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill
-from baton.kv_transfer.checksum import block_checksum
-from baton.kv_transfer.tcp import KVBlockServer, block_bytes
+from baton.kv_transfer.checksum import block_bytes, block_checksum
+from baton.kv_transfer.tcp import KVBlockServer
 from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks
 
 try:

@@ -51,15 +51,15 @@ import numpy as np
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
+from baton.kv_transfer.checksum import block_bytes, block_crcs
+from baton.kv_transfer.leases import LeaseTable, Status
 from baton.kv_transfer.nixl_channel import (
     Done,
     Hello,
-    LeaseTable,
     Lookup,
     Message,
     Release,
     Reply,
-    block_crcs,
     message_decoder,
     paired_runs,
     recv_frame,
@@ -67,12 +67,7 @@ from baton.kv_transfer.nixl_channel import (
     send_message,
     split_runs,
 )
-from baton.kv_transfer.tcp import (
-    Status,
-    _is_timeout,
-    _set_io_timeout,
-    block_bytes,
-)
+from baton.kv_transfer.tcp import _is_timeout, _set_io_timeout
 from baton.kv_transfer.tcp_reader import KVConnectionPool
 
 logger = logging.getLogger(__name__)

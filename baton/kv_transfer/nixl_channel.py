@@ -1,30 +1,19 @@
-"""The NIXL transport's side channel and lease table: length-prefixed msgpack messages between a
-reader and a serving engine, the serving side's leases (with holds that keep a lease from expiring
-under a read), block checksums, and block-region helpers. Nothing here needs the ``nixl`` package;
-the transport itself is in ``nixl.py``.
+"""The NIXL transport's side channel: length-prefixed msgpack messages between a reader and a
+serving engine, and block-region helpers. Nothing here needs the ``nixl`` package; the transport
+itself is in ``nixl.py``, the leases it serves in ``leases.py``.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import msgspec
-import torch
 
-from baton.kv_transfer.checksum import block_checksum
-from baton.kv_transfer.tcp import Status, _byte_view, _recv_exact, block_bytes
+from baton.kv_transfer.tcp import _recv_exact
 
 _FRAME = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # bounds what a malformed length can make either side allocate
-_MAX_HOLD_S = 30.0  # longest a Lookup protects a lease from expiry (a reader that died)
-_EXPIRED_MEMORY = 4096  # expired ids remembered, so a late reader hears EXPIRED
 
 
 # ---- side-channel messages --------------------------------------------------------------------
@@ -95,16 +84,6 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     return payload
 
 
-def block_crcs(kv_cache: torch.Tensor, block_ids: list[int]) -> list[int]:
-    """The checksum of each block's bytes, in the order given; device blocks are copied to host
-    first."""
-    if kv_cache.device.type != "cpu":
-        kv_cache = kv_cache[block_ids].cpu()
-        block_ids = list(range(len(block_ids)))
-    view, bpb = _byte_view(kv_cache), block_bytes(kv_cache)
-    return [block_checksum(view[b * bpb : (b + 1) * bpb]) for b in block_ids]
-
-
 def paired_runs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:
     """(remote_first, local_first, count) runs where both sides' ids are consecutive: each run is
     one NIXL descriptor of ``count`` blocks on either side."""
@@ -134,112 +113,3 @@ def split_runs(
             chunks[-1].append((remote, local, take))
             remote, local, count, room = remote + take, local + take, count - take, room - take
     return chunks
-
-
-# ---- serving side -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Lease:
-    block_ids: frozenset[int]
-    expires_at: float  # Unix time, seconds
-    crcs: Future[list[int]]  # per block, in sorted id order; computed off the engine's thread
-
-
-class LeaseTable:
-    """Leases of one engine, thread-safe; engine-facing calls never block on I/O."""
-
-    def __init__(self, kv_cache: torch.Tensor, clock: Callable[[], float] = time.time) -> None:
-        self._kv = kv_cache
-        self._num_blocks = kv_cache.shape[0]
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._leases: dict[str, _Lease] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()
-        self._claimed: list[str] = []
-        self._holds: dict[str, float] = {}  # request id -> monotonic time its read may last to
-        self.reading = threading.Event()  # set while any hold is active
-        # One worker: checksumming is background work and must not crowd out the engine.
-        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-crc")
-
-    def lease(self, request_id: str, block_ids: list[int], expires_at: float) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self._num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad[:8]} out of range [0, {self._num_blocks})")
-        ids = sorted(set(block_ids))
-        crcs = self._crc_pool.submit(block_crcs, self._kv, ids)
-        with self._lock:
-            self._leases[request_id] = _Lease(frozenset(ids), expires_at, crcs)
-            self._expired.pop(request_id, None)
-
-    def lookup(self, request_id: str, ids: list[int], hold_s: float) -> tuple[Status, list[int]]:
-        """(OK, the checksum of each asked block) and a hold on the lease, or (the refusal, [])."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                expired = request_id in self._expired
-                return (Status.EXPIRED if expired else Status.UNKNOWN_REQUEST), []
-            # Checked here too, not only in expire(): the engine sweeps once per step at best.
-            if lease.expires_at < self._clock():
-                return Status.EXPIRED, []
-            # A subset is fine: the reader may already hold a prefix of the prompt's blocks.
-            if not ids or not lease.block_ids.issuperset(ids):
-                return Status.BAD_BLOCKS, []
-            until = time.monotonic() + min(max(hold_s, 0.0), _MAX_HOLD_S)
-            self._holds[request_id] = max(until, self._holds.get(request_id, 0.0))
-            self.reading.set()
-        # Not waiting on an unfinished background pass: it may be queued behind other leases.
-        fut = lease.crcs
-        if fut.done() and not fut.cancelled():
-            table = dict(zip(sorted(lease.block_ids), fut.result(), strict=True))
-            return Status.OK, [table[b] for b in ids]
-        return Status.OK, block_crcs(self._kv, ids)
-
-    def claim(self, request_id: str) -> bool:
-        """Done or released by a reader: the lease is gone and reported claimed."""
-        with self._lock:
-            self._drop_hold(request_id)
-            if self._leases.pop(request_id, None) is None:
-                return False
-            self._claimed.append(request_id)
-            return True
-
-    def expire(self, now: float) -> list[str]:
-        with self._lock:
-            self._drop_stale_holds()
-            gone = [
-                rid
-                for rid, lease in self._leases.items()
-                if lease.expires_at < now and rid not in self._holds
-            ]
-            for rid in gone:
-                del self._leases[rid]
-                self._expired[rid] = None
-            while len(self._expired) > _EXPIRED_MEMORY:
-                self._expired.popitem(last=False)
-        return gone
-
-    def claimed(self) -> list[str]:
-        with self._lock:
-            claimed, self._claimed = self._claimed, []
-        return claimed
-
-    def holding(self) -> bool:
-        """Whether a read may still be in progress (drops holds that ran out)."""
-        with self._lock:
-            self._drop_stale_holds()
-            return bool(self._holds)
-
-    def _drop_stale_holds(self) -> None:
-        mono = time.monotonic()
-        for rid in [r for r, until in self._holds.items() if until < mono]:
-            self._drop_hold(rid)
-
-    def _drop_hold(self, request_id: str) -> None:
-        self._holds.pop(request_id, None)
-        if not self._holds:
-            self.reading.clear()
-
-    def stop(self) -> None:
-        # Waits for at most the one lease's checksum pass in progress.
-        self._crc_pool.shutdown(wait=True, cancel_futures=True)

@@ -36,21 +36,19 @@ thread start once.
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import logging
 import socket
 import struct
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from baton.kv_transfer.checksum import block_checksum, combine
+from baton.kv_transfer.checksum import block_bytes, byte_view, combine
+from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
 
 logger = logging.getLogger(__name__)
 
@@ -63,22 +61,8 @@ _REPLY_MAGIC = b"BKVA"
 _DONE = b"\x01"
 # Bounds what a malformed or hostile header can make the server allocate.
 _MAX_BLOCKS_PER_READ = 1 << 22
-# Remember this many expired request ids so a late reader hears EXPIRED, not UNKNOWN_REQUEST.
-_EXPIRED_MEMORY = 4096
 # How often the accept loop looks at the stop flag; bounds how long stop() waits for it.
 _ACCEPT_POLL_S = 0.05
-
-
-class Status(enum.IntEnum):
-    """Reply status of the block server; a reader reports the name of a non-OK status."""
-
-    OK = 0
-    UNKNOWN_ENGINE = 1  # engine_id differs: the engine at this address restarted, its memory is new
-    UNKNOWN_REQUEST = 2  # no lease under this request id (never leased, released, or already done)
-    EXPIRED = 3  # the lease passed its expiry time
-    BAD_BLOCKS = 4  # asked ids are not among the leased ones, or out of range
-    BLOCK_SIZE_MISMATCH = 5  # the two caches' blocks have different byte sizes
-    BAD_REQUEST = 6  # malformed header
 
 
 @dataclass(frozen=True)
@@ -91,13 +75,6 @@ class ReadResult:
     seconds: float  # wall time of the whole call
 
 
-@dataclass(frozen=True)
-class _Lease:
-    block_ids: frozenset[int]
-    expires_at: float  # Unix time, seconds
-    crcs: Future[dict[int, int]]  # block id -> checksum of its bytes, computed off the busy loop
-
-
 def coalesce(block_ids: list[int]) -> list[tuple[int, int]]:
     """Runs of consecutive ids as (first_id, count), in the given order."""
     runs: list[tuple[int, int]] = []
@@ -108,27 +85,6 @@ def coalesce(block_ids: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((block_id, 1))
     return runs
-
-
-def block_bytes(kv_cache: torch.Tensor) -> int:
-    """Bytes of one block of all layers: ``kv_cache[0]``."""
-    return kv_cache[0].numel() * kv_cache.element_size()
-
-
-def _byte_view(kv_cache: torch.Tensor) -> memoryview:
-    """A writable memoryview over the tensor's own storage (no copy)."""
-    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous() or kv_cache.dim() < 1:
-        raise ValueError(
-            "kv_cache must be a contiguous CPU tensor [num_blocks, ...], got "
-            f"device={kv_cache.device} contiguous={kv_cache.is_contiguous()} "
-            f"shape={tuple(kv_cache.shape)}"
-        )
-    # view(uint8) reinterprets the bytes of any dtype (bf16 included, which numpy lacks).
-    return kv_cache.detach().reshape(-1).view(torch.uint8).numpy().data
-
-
-def _block_sum(view: memoryview, block_id: int, bytes_per_block: int) -> int:
-    return block_checksum(view[block_id * bytes_per_block : (block_id + 1) * bytes_per_block])
 
 
 def _set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -179,7 +135,7 @@ class KVBlockServer:
         io_timeout: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._view = _byte_view(kv_cache)
+        self._view = byte_view(kv_cache)
         self._num_blocks = kv_cache.shape[0]
         self._block_bytes = block_bytes(kv_cache)
         self.engine_id = engine_id
@@ -187,59 +143,30 @@ class KVBlockServer:
         self._port = port
         # A reader that stalls mid-transfer must not pin a server thread forever.
         self._io_timeout = io_timeout
-        self._clock = clock
+        self._leases = LeaseTable(kv_cache, clock)
         self._lock = threading.Lock()
-        self._leases: dict[str, _Lease] = {}
-        self._expired: OrderedDict[str, None] = OrderedDict()
-        self._done: list[str] = []
-        self._reading: dict[str, int] = {}  # request id -> reads in progress
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
-        # One worker: checksumming is background work and must not crowd out the engine.
-        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-crc")
 
     # ------------------------------------------------------------------ engine side
 
     def lease(self, request_id: str, block_ids: list[int], expires_at: float) -> None:
         """Makes block_ids readable under request_id until expires_at (Unix time)."""
-        bad = [b for b in block_ids if not 0 <= b < self._num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad[:8]} out of range [0, {self._num_blocks})")
-        ids = sorted(set(block_ids))
-        crcs = self._crc_pool.submit(
-            lambda: {b: _block_sum(self._view, b, self._block_bytes) for b in ids}
-        )
-        with self._lock:
-            self._leases[request_id] = _Lease(frozenset(ids), expires_at, crcs)
-            self._expired.pop(request_id, None)
+        self._leases.lease(request_id, block_ids, expires_at)
 
     def release(self, request_id: str) -> bool:
         """Drops a lease; False when there was none."""
-        with self._lock:
-            return self._leases.pop(request_id, None) is not None
+        return self._leases.release(request_id)
 
     def expire(self, now: float) -> list[str]:
         """Drops the leases whose time passed (expires_at < now) and returns their request ids."""
-        with self._lock:
-            gone = [
-                rid
-                for rid, lease in self._leases.items()
-                if lease.expires_at < now and rid not in self._reading
-            ]
-            for rid in gone:
-                del self._leases[rid]
-                self._expired[rid] = None
-            while len(self._expired) > _EXPIRED_MEMORY:
-                self._expired.popitem(last=False)
-        return gone
+        return self._leases.expire(now)
 
     def done_requests(self) -> list[str]:
         """Request ids whose reader finished since the last call; their blocks may be freed."""
-        with self._lock:
-            done, self._done = self._done, []
-        return done
+        return self._leases.claimed()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -272,8 +199,7 @@ class KVBlockServer:
                 conn.shutdown(socket.SHUT_RDWR)
         for _, thread in conns:
             thread.join(timeout=0.5)
-        # Waits for at most the one lease's checksum pass in progress.
-        self._crc_pool.shutdown(wait=True, cancel_futures=True)
+        self._leases.stop()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -324,67 +250,43 @@ class KVBlockServer:
             self._reply(conn, self._release_for_reader(engine_id, request_id))
             return True
 
-        status, lease = self._check(engine_id, request_id, ids, client_block_bytes)
-        if lease is None:
+        status, sums = self._check(engine_id, request_id, ids, client_block_bytes)
+        if status != Status.OK:
             self._reply(conn, status)
             return True
         try:
-            return self._send(conn, request_id, ids, lease)
+            return self._send(conn, request_id, ids, sums)
         finally:
-            with self._lock:
-                left = self._reading.pop(request_id) - 1
-                if left:
-                    self._reading[request_id] = left
+            self._leases.end_read(request_id)
 
     def _release_for_reader(self, engine_id: str, request_id: str) -> Status:
         if engine_id != self.engine_id:
             return Status.UNKNOWN_ENGINE
-        with self._lock:
-            if self._leases.pop(request_id, None) is None:
-                return Status.UNKNOWN_REQUEST
-            self._done.append(request_id)
-        return Status.OK
+        return Status.OK if self._leases.claim(request_id) else Status.UNKNOWN_REQUEST
 
-    def _send(self, conn: socket.socket, request_id: str, ids: list[int], lease: _Lease) -> bool:
+    def _send(self, conn: socket.socket, request_id: str, ids: list[int], sums: list[int]) -> bool:
         bpb = self._block_bytes
-        # Not waiting on an unfinished background pass: it may be queued behind other leases.
-        fut = lease.crcs
-        table = fut.result() if fut.done() and not fut.cancelled() else None
-        sums = [table[b] if table is not None else _block_sum(self._view, b, bpb) for b in ids]
         conn.sendall(_REPLY.pack(_REPLY_MAGIC, Status.OK, bpb, len(ids) * bpb, combine(sums)))
-        runs = coalesce(ids)
-        for first, count in runs:
+        for first, count in coalesce(ids):
             conn.sendall(self._view[first * bpb : (first + count) * bpb])
         done = _recv_exact(conn, 1)
         if done != _DONE:
             return False
-        with self._lock:
-            if self._leases.pop(request_id, None) is not None:
-                self._done.append(request_id)
+        self._leases.claim(request_id)
         return True
 
     def _check(
         self, engine_id: str, request_id: str, ids: list[int], client_bb: int
-    ) -> tuple[Status, _Lease | None]:
-        """(OK, the lease) when the read may proceed, else (the refusal, None)."""
+    ) -> tuple[Status, list[int]]:
+        """(OK, the checksum of each asked block) when the read may proceed, the lease then held
+        against expiry until the read ends; else (the refusal, [])."""
         if engine_id != self.engine_id:
-            return Status.UNKNOWN_ENGINE, None
+            return Status.UNKNOWN_ENGINE, []
         if client_bb != self._block_bytes:
-            return Status.BLOCK_SIZE_MISMATCH, None
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                expired = request_id in self._expired
-                return (Status.EXPIRED if expired else Status.UNKNOWN_REQUEST), None
-            # Checked here too, not only in expire(): the engine sweeps once per step at best.
-            if lease.expires_at < self._clock():
-                return Status.EXPIRED, None
-            # A subset is fine: the reader may already hold a prefix of the prompt's blocks.
-            if not lease.block_ids.issuperset(ids):
-                return Status.BAD_BLOCKS, None
-            # From here until the read ends, expire() leaves this lease alone.
-            self._reading[request_id] = self._reading.get(request_id, 0) + 1
-        return Status.OK, lease
+            return Status.BLOCK_SIZE_MISMATCH, []
+        # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
+        # the server's I/O timeout on every send and receive.
+        return self._leases.lookup(request_id, ids, MAX_HOLD_S)
 
     def _reply(self, conn: socket.socket, status: Status) -> None:
         conn.sendall(_REPLY.pack(_REPLY_MAGIC, status, self._block_bytes, 0, 0))

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from baton.kv_transfer.checksum import block_checksum, combine
+from baton.kv_transfer.checksum import block_bytes, block_checksum, byte_view, combine
+from baton.kv_transfer.leases import Status
 from baton.kv_transfer.tcp import (
     _DONE,
     _REPLY,
@@ -23,11 +24,8 @@ from baton.kv_transfer.tcp import (
     _REQUEST,
     _REQUEST_MAGIC,
     ReadResult,
-    Status,
-    _byte_view,
     _is_timeout,
     _set_io_timeout,
-    block_bytes,
     coalesce,
 )
 
@@ -151,7 +149,7 @@ def read_blocks(
             f"BAD_ARGUMENT: {len(remote_block_ids)} remote ids vs {len(local_block_ids)} local ids"
         )
     try:
-        view = _byte_view(kv_cache)
+        view = byte_view(kv_cache)
     except ValueError as exc:
         return fail(f"BAD_ARGUMENT: {exc}")
     num_blocks = kv_cache.shape[0]

@@ -16,6 +16,7 @@ import torch
 
 from baton.kv_transfer import nixl_channel
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
+from baton.kv_transfer.leases import Status
 from tests.kv_transfer.helpers import as_bytes, make_cache
 
 nixl = pytest.importorskip(
@@ -196,7 +197,7 @@ def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
     reply = _side_call(
         server.port, nixl_channel.Lookup(engine, "r", [1], server._hello.block_bytes, 5.0)
     )
-    assert reply.status == nixl_channel.Status.OK and len(reply.crcs) == 1
+    assert reply.status == Status.OK and len(reply.crcs) == 1
     time.sleep(0.3)
     assert server.finished_leases(time.time()) == ([], [])
     _side_call(server.port, nixl_channel.Done(engine, "r"))

@@ -11,13 +11,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from baton.kv_transfer.checksum import block_checksum, combine
+from baton.kv_transfer.checksum import block_bytes, block_checksum, combine
+from baton.kv_transfer.leases import Status
 from baton.kv_transfer.tcp import (
     _REPLY,
     _REPLY_MAGIC,
     KVBlockServer,
-    Status,
-    block_bytes,
     coalesce,
 )
 from baton.kv_transfer.tcp_reader import read_blocks

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from baton.kv_transfer.checksum import block_checksum, combine
+from baton.kv_transfer.leases import Status
 from baton.kv_transfer.tcp import (
     _REPLY,
     _REPLY_MAGIC,
     _REQUEST,
     KVBlockServer,
-    Status,
 )
 from baton.kv_transfer.tcp_reader import _CHUNK_BYTES, KVConnectionPool, read_blocks
 from tests.kv_transfer.helpers import (

@@ -42,6 +42,7 @@ _IDLE_POLL_MS = 1000  # a rank with nothing outstanding checks for its stop this
 _PENDING_POLL_MS = 50  # ... and with leases outstanding, for their expiry (as the core does)
 _ACK_TIMEOUT_S = 30.0  # a rank that does not take a lease by then is broken
 _ACK_POLL_S = 0.1
+_RECEIVE_POLL_MS = 100  # the core's receiving thread checks for its stop this often
 
 
 # ---- in each worker process -----------------------------------------------------------------
@@ -136,6 +137,7 @@ class RankedKVWorker:
         self._received: list[RankKVOutput] = []
         self._acked = [0] * num_ranks
         self._stopping = threading.Event()
+        self._error: BaseException | None = None  # the receiving thread died of it
         results = ctx.socket(zmq.PULL)
         results.bind(results_address)
         self._thread = threading.Thread(
@@ -146,7 +148,7 @@ class RankedKVWorker:
     def _receive(self, sock: zmq.Socket) -> None:
         try:
             while not self._stopping.is_set():
-                if not sock.poll(_IDLE_POLL_MS):
+                if not sock.poll(_RECEIVE_POLL_MS):
                     continue
                 msg = pickle.loads(sock.recv())
                 with self._lock:
@@ -156,10 +158,21 @@ class RankedKVWorker:
                 wake = self.wake
                 if wake is not None:
                     wake()
+        except BaseException as exc:  # pulls would never end: the engine must stop instead
+            logger.exception("the KV results of the ranks can no longer be read")
+            self._error = exc
+            wake = self.wake
+            if wake is not None:
+                wake()
         finally:
             sock.close(linger=0)
 
+    def _check(self) -> None:
+        if self._error is not None:
+            raise WorkerDiedError(f"the ranks' KV results cannot be read: {self._error!r}")
+
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        self._check()
         self._seq += 1
         for spec in metadata.loads:
             self._loads[spec.req_id] = []
@@ -173,6 +186,7 @@ class RankedKVWorker:
         deadline = time.monotonic() + _ACK_TIMEOUT_S
         with self._lock:
             while min(self._acked) < seq:
+                self._check()
                 if time.monotonic() > deadline:
                     raise WorkerDiedError(
                         f"a tensor-parallel rank did not take its KV leases within "
@@ -182,6 +196,7 @@ class RankedKVWorker:
                 self._lock.wait(_ACK_POLL_S)
 
     def get_finished(self) -> KVConnectorOutput:
+        self._check()
         with self._lock:
             received, self._received = self._received, []
         merged = KVConnectorOutput()
