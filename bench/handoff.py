@@ -13,7 +13,9 @@ pull, the recompute of the last prompt token, sampling, HTTP). Beside it, in the
 
 overhead = decode TTFT, server side (the engine's own ``vllm:time_to_first_token_seconds``, from the
 request's arrival) - raw transfer. The client-side figure and a no-pull floor (a prompt the decode
-engine already caches) are printed beside it. Aim (issue 4): overhead below the raw transfer time.
+engine already caches, client and server side) are printed beside it; the hand-off's own cost is
+the server-side first token with the pull minus the one without. Aim (issue 4): overhead below the
+raw transfer time.
 
 With ``--tensor-parallel-size 2`` both engines run two ranks: each decode rank pulls its half of
 the KV heads from the matching prefill rank, on connections of its own (issue 9).
@@ -184,11 +186,13 @@ def main() -> None:
         )
         # The floor: the same decode engine answering a prompt it already caches (no pull): HTTP,
         # admission, one step computing one token over the 2,000-token context.
-        floor = []
+        floor, floor_server = [], []
         for _ in range(args.repeats):
             p = prompt()
             _complete(dec_url, p, max_tokens=1)
+            before = _metric(dec_url, "vllm:time_to_first_token_seconds_sum")
             floor.append(_decode_ttft(dec_url, p, {}))
+            floor_server.append(_metric(dec_url, "vllm:time_to_first_token_seconds_sum") - before)
         pulls = _metric(dec_url, "baton:kv_transfer_seconds_count") - count0
         transport_s = (_metric(dec_url, "baton:kv_transfer_seconds_sum") - sum0) / max(pulls, 1)
         failures = sum(
@@ -213,6 +217,8 @@ def main() -> None:
         "decode_ttft_median": ttft,
         "decode_server_ttft_mean": server_ttft,
         "cached_prompt_ttft_median": statistics.median(floor),
+        "cached_prompt_server_ttft_mean": statistics.mean(floor_server),
+        "handoff_cost_seconds": server_ttft - statistics.mean(floor_server),
         "decode_ttft_p90": sorted(ttfts)[int(0.9 * (len(ttfts) - 1))],
         "transport_pull_seconds_mean": transport_s,
         "raw_transfer_seconds_median": raw_s,
@@ -229,6 +235,11 @@ def main() -> None:
     print(f"  decode engine, arrival to first token       {ttft * ms:8.2f} ms")
     print(f"  same, server side (arrival to first token)  {server_ttft * ms:8.2f} ms")
     print(f"  cached prompt, no pull (client, median)     {statistics.median(floor) * ms:8.2f} ms")
+    floor_ms = statistics.mean(floor_server) * ms
+    print(f"  same, server side (mean)                    {floor_ms:8.2f} ms")
+    cost = result["handoff_cost_seconds"]
+    print(f"  the hand-off's own cost (with - without)    {cost * ms:8.2f} ms "
+          f"({cost / raw_s:.2f}x the raw transfer)")  # fmt: skip
     print(f"  transport's pull (decode metrics, mean)     {transport_s * ms:8.2f} ms")
     print(f"  raw loopback transfer of the same bytes     {raw_s * ms:8.2f} ms")
     print(f"  overhead = server first token - raw        {overhead * ms:8.2f} ms "
