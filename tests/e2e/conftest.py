@@ -261,13 +261,15 @@ class Stream:
     def finish(self) -> tuple[str, Any]:
         try:
             for line in self.lines:
+                if line == "data: [DONE]":
+                    return "done", self.ids
                 if not line.startswith("data: {"):
                     continue
                 event = json.loads(line[6:])
                 if "error" in event:
                     return "error", event["error"]["message"]
                 self.ids += event["choices"][0].get("token_ids") or []
-            return "done", self.ids
+            return "broken", "ended without data: [DONE]"
         except httpx.TimeoutException:
             raise
         except httpx.HTTPError as e:

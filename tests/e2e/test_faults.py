@@ -272,13 +272,16 @@ def test_router_killed(fleet: Fleet, make_router: Any) -> None:
     streams = [open_stream(router.url, f"router stream {i}", 600) for i in range(3)]
     for s in streams:
         s.read(2)
-    core = stop_core(fleet, "p0")  # the next prefill step gets no answer before the kill
+    # Both engines' cores stop: the streams cannot run to their end before the kill, and the
+    # next prefill step gets no answer before it.
+    cores = [stop_core(fleet, "d0"), stop_core(fleet, "p0")]
     with ThreadPoolExecutor(1) as pool:
         pending = _timed(pool, complete, router.url, "never answered before the kill")
         time.sleep(0.5)
         router.proc.kill()
         killed = time.monotonic()
-        os.kill(core, signal.SIGCONT)
+        for core in cores:
+            os.kill(core, signal.SIGCONT)
         try:
             pending.result()
             outcome = "answered"
