@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+import msgspec
 import torch
 
 Role = Literal["prefill", "decode", "both"]
@@ -177,6 +178,10 @@ def check_kv_transfer_params(
     for the client. ``role`` is the engine's (None: the engine has no connector)."""
     if not params:
         return
+    try:  # the params travel to the EngineCore as they are: they must fit its wire format
+        msgspec.msgpack.encode(params)
+    except (OverflowError, RecursionError, TypeError) as e:
+        raise ValueError(f"kv_transfer_params cannot be carried to the engine: {e}") from None
     remote_decode = params.get("do_remote_decode") is True
     remote_prefill = params.get("do_remote_prefill") is True
     if remote_decode and remote_prefill:
