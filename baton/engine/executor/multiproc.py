@@ -50,6 +50,7 @@ _START_TIMEOUT = 1800.0  # loading a real model's shard can take minutes
 _POLL_MS = 100  # where no pidfd tells of a worker's exit at once, check this often
 _KV_START_TIMEOUT = 120.0  # every rank registers its KV shard with the transport
 _STOP_GRACE = 1.0  # seconds a worker gets to leave on Shutdown before it is killed
+_PEER_GRACE = 0.5  # seconds to see a peer's death behind a rank's failure report
 
 
 _Ready = TypeVar("_Ready", WorkerReady, KVConnectorReady)
@@ -281,8 +282,26 @@ class MultiprocExecutor(Executor):
     def _read(self) -> object:
         msg = pickle.loads(self._results.recv())
         if isinstance(msg, WorkerFailed):
-            raise WorkerDiedError(f"tensor-parallel worker rank {msg.rank} failed: {msg.error}")
+            raise self._failed(msg)
         return msg
+
+    def _failed(self, failed: WorkerFailed) -> WorkerDiedError:
+        """The error for a rank's failure report. A collective that breaks because a peer
+        was killed fails on the survivors too, often before the peer's exit is seen: a peer
+        killed by a signal within a short grace is named as the cause."""
+        deadline = time.monotonic() + _PEER_GRACE
+        while True:
+            for rank, proc in enumerate(self._workers.procs):
+                code = proc.poll()
+                if rank != failed.rank and code is not None and code < 0:
+                    return WorkerDiedError(
+                        f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                        f"{code}; rank {failed.rank} then failed: {failed.error}"
+                    )
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return WorkerDiedError(f"tensor-parallel worker rank {failed.rank} failed: {failed.error}")
 
     def _recv(self) -> object:
         """The next message from a worker; raises as soon as one is gone."""

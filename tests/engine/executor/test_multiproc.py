@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.engine.config import EngineArgs
 from baton.engine.executor import WorkerDiedError
+from baton.engine.executor.messages import WorkerFailed
 from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.kv_transfer.base import KVTransferConfig
 
@@ -94,6 +97,27 @@ def test_killed_worker_fails_the_running_step_within_seconds(tiny_model, rank: i
         timer.cancel()
         llm.shutdown()
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_failure_report_names_the_killed_peer_behind_it() -> None:
+    """When rank 1 is killed, rank 0's all-reduce breaks and rank 0 may report its own failure
+    before rank 1's exit is seen (a race a CI run hit): the error names the killed rank as the
+    cause. A rank that fails on its own, with its peers alive, is named itself."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in "01"]
+    stub = type("Stub", (), {})()
+    stub._workers = type("Workers", (), {"procs": procs})()
+    report = WorkerFailed(0, "RuntimeError: Connection reset by peer")
+    try:
+        alone = MultiprocExecutor._failed(stub, report)  # type: ignore[arg-type]
+        assert str(alone).startswith("tensor-parallel worker rank 0 failed: RuntimeError")
+        procs[1].kill()
+        caused = MultiprocExecutor._failed(stub, report)  # type: ignore[arg-type]
+        assert "rank 1" in str(caused) and "exited with code -9" in str(caused)
+        assert "rank 0 then failed: RuntimeError" in str(caused)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.slow
