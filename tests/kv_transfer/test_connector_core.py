@@ -251,6 +251,9 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
         )
         decode.step()
         assert decode.scheduler.waiting_for_kvs["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        # it waits (vllm:num_requests_waiting shows it, as vLLM's does), it does not run
+        stats = decode.scheduler.make_stats()
+        assert (stats.num_waiting, stats.num_running) == (1, 0)
         decode.abort_requests(["d"])
         _drain(decode)
         assert decode.scheduler.kv.usage() == 0.0

@@ -397,7 +397,8 @@ class Scheduler(RemoteKVMixin):
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            # Requests waiting for their remote KV wait too (vLLM counts them the same way).
+            num_waiting=len(self.waiting) + len(self.waiting_for_kvs),
             kv_cache_usage=self.kv.usage(),
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
