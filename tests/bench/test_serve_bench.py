@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -308,8 +309,9 @@ def test_end_to_end_timings_tokens_and_concurrency() -> None:
     assert m["total_output_tokens"] == sum(requested)
     assert m["total_input_tokens"] == sum(len(b["prompt"]) for b in measured)
     assert all(len(r.itl) == r.output_tokens - 1 for r in result.records)
-    assert TTFT_S * 1000 <= m["mean_ttft_ms"] < TTFT_S * 1000 + 40
-    assert ITL_S * 1000 - 5 <= m["median_itl_ms"] < ITL_S * 1000 + 15
+    # lower bounds are the server's own delays; upper ones leave room for a loaded machine
+    assert TTFT_S * 1000 <= m["mean_ttft_ms"] < TTFT_S * 1000 + 100
+    assert ITL_S * 1000 - 5 <= m["median_itl_ms"] < ITL_S * 1000 + 40
     assert m["mean_tpot_ms"] == pytest.approx(m["mean_itl_ms"], rel=0.2)
     assert state.peak_streams == 4
     body = state.bodies[0]
@@ -329,7 +331,7 @@ def test_end_to_end_counts_chunks_without_usage() -> None:
     )
     assert len(state.bodies) == 3
     assert [r.output_tokens for r in result.records] == [4, 4, 4]
-    assert all(len(r.itl) == 3 and min(r.itl) > ITL_S / 2 for r in result.records)
+    assert all(len(r.itl) == 3 and statistics.median(r.itl) > ITL_S / 2 for r in result.records)
     assert result.metrics["total_output_tokens"] == 12
 
 

@@ -126,17 +126,21 @@ def test_prefill_server_killed(fleet: Fleet, make_router: Any) -> None:
     stream_c = open_stream(d0.url, c, 200, kv_transfer_params=prefill_step(victim, c))
     stream_c.read(2)
     # --max-num-seqs 1: a long stream holds the victim, so the router's prefill step waits.
+    # The victim's core is stopped from here to the kill, so the stream cannot end before it.
     blocker = open_stream(victim.url, prompt_ids(14), 900)
     blocker.read(1)
+    core = stop_core(fleet, "pv_server")
     with ThreadPoolExecutor(2) as pool:
         via_router = _timed(pool, complete, router.url, a)
         deadline = time.monotonic() + 10
-        while victim.metrics()["vllm:num_requests_waiting{}"] < 1:
-            assert time.monotonic() < deadline, "the router's prefill step never arrived"
+        while _router_in_flight(router.url, victim.url) < 1:
+            assert time.monotonic() < deadline, "the router's prefill step never left"
             time.sleep(0.05)
-        core = fleet.core_pids["pv_server"]
+        time.sleep(0.2)  # on its way to the victim's API server, which admits it
         victim.proc.kill()
         killed = time.monotonic()
+        os.kill(core, signal.SIGCONT)  # an orphan now, busy with the stream
+        orphan_exit = pool.submit(wait_exit, core, 30)
         r_a, t_a = via_router.result()
         kind, why = blocker.finish()
         t_blocker = time.monotonic() - killed
@@ -168,12 +172,21 @@ def test_prefill_server_killed(fleet: Fleet, make_router: Any) -> None:
         time.monotonic() - start,
     )
     # The orphan had ~900 tokens left to compute for nobody; it stops at its next step.
-    t_core = wait_exit(core, 30) + (time.monotonic() - killed)
+    t_core = orphan_exit.result()
     assert t_core < 4, t_core
     record("prefill API server kill -9", "orphaned EngineCore (busy)", "exits by itself", t_core)
     fallbacks = httpx.get(f"{router.url}/metrics").text
     assert 'outcome="decode_only_fallback"' in fallbacks
     _survivors_serve(fleet, router.url)
+
+
+def _router_in_flight(router_url: str, engine_url: str) -> float:
+    """The router's open requests on one engine (`baton:router_in_flight`)."""
+    prefix = f'baton:router_in_flight{{engine="{engine_url}",'
+    for line in httpx.get(f"{router_url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 class _StallingPeer:
@@ -219,10 +232,16 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
     try:
         with ThreadPoolExecutor(2) as pool:
             pull = _timed(pool, decode_step, victim, d, params_d)
-            time.sleep(0.5)
-            pid = fleet.core_pids[name] if target == "core" else victim.proc.pid
-            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while victim.metrics()["vllm:num_requests_waiting{}"] < 1:  # waits for its KV
+                assert time.monotonic() < deadline, "the pull never started"
+                time.sleep(0.05)
+            # The victim's core stops until the kill, so its stream cannot end before it.
+            core = stop_core(fleet, name)
+            os.kill(core if target == "core" else victim.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
+            if target == "server":
+                os.kill(core, signal.SIGCONT)  # an orphan now; it notices and exits
             try:
                 r_d, _ = pull.result()
                 pulled = f"HTTP {r_d.status_code}"

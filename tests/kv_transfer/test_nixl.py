@@ -193,15 +193,15 @@ def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
     """Between a reader's Lookup and its Done the lease outlives its time; Done claims it."""
     server, _, _, _ = pair
     engine = server.config.engine_id
-    server.lease("r", [1], time.time() + 0.2)
+    server.lease("r", [1], time.time() + 1.0)
     reply = _side_call(
         server.port, nixl_channel.Lookup(engine, "r", [1], server._hello.block_bytes, 5.0)
     )
     assert reply.status == Status.OK and len(reply.crcs) == 1
-    time.sleep(0.3)
+    time.sleep(1.2)
     assert server.finished_leases(time.time()) == ([], [])
     _side_call(server.port, nixl_channel.Done(engine, "r"))
-    assert server.finished_leases(time.time()) == (["r"], [])
+    assert _claimed(server) == ["r"]
 
 
 def test_release_remote_frees_the_lease_at_once(pair: Any) -> None:
@@ -301,7 +301,7 @@ def _serve_in_child(ports: Any, stop: Any) -> None:
     server.lease("x", [2, 3, 4, 7], time.time() + 60)
     ports.put((server.port, server.config.engine_id))
     stop.wait(30)
-    ports.put(server.finished_leases(time.time()))
+    ports.put(_claimed(server, 5))  # Done is one-way: it may still be on its way
     server.stop()
 
 
@@ -319,9 +319,8 @@ def test_read_from_another_process() -> None:
         result = _read(reader, remote, [0, 1, 2, 3])
         assert result.ok, result.error
         assert torch.equal(as_bytes(local[:4]), as_bytes(make_cache(seed=5)[[2, 3, 4, 7]]))
-        time.sleep(0.05)
         stop.set()
-        assert ports.get(timeout=10) == (["x"], [])
+        assert ports.get(timeout=10) == ["x"]
     finally:
         stop.set()
         reader.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import threading
@@ -88,7 +89,7 @@ def _serve_in_child(port_q: mp.Queue, stop: mp.Event, done_q: mp.Queue) -> None:
     srv.lease("x", [2, 3, 4, 8], time.time() + 30)
     port_q.put(srv.start())
     stop.wait(20)
-    done_q.put(srv.done_requests())
+    done_q.put(wait_done(srv, 5))  # DONE is one-way: it may still be on its way
     srv.stop()
 
 
@@ -107,7 +108,6 @@ def test_round_trip_across_processes() -> None:
         assert result.ok, result.error
         expected = make_cache(torch.float16, seed=7)
         assert torch.equal(as_bytes(local[[0, 1, 5, 6]]), as_bytes(expected[[2, 3, 4, 8]]))
-        time.sleep(0.1)
         stop.set()
         assert done_q.get(timeout=10) == ["x"]
     finally:
@@ -306,7 +306,9 @@ def test_stop_is_prompt_with_open_connections() -> None:
     srv.stop()
     assert time.monotonic() - start < 1.0
     idle.settimeout(1)
-    assert idle.recv(1) == b""  # the server side was closed
+    # the server side was closed: an orderly close, or a reset if it was never accepted
+    with contextlib.suppress(ConnectionResetError):
+        assert idle.recv(1) == b""
     idle.close()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()

@@ -19,7 +19,7 @@ from tests.operator.kmock_server import ApiServer
 ISVC_PATH = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Polls `check` until it returns something truthy; fails the test after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:

@@ -59,7 +59,7 @@ def test_streaming_passes_chunks_through_as_they_come(cluster: FakeCluster) -> N
             if chunk.choices:
                 texts.append(chunk.choices[0].text)
             usage = chunk.usage or usage
-        assert arrivals[0] < 0.1 and arrivals[-1] > 0.4
+        assert arrivals[0] < 0.3 and arrivals[-1] > 0.4  # the engine sends its last at 0.45 s
         key_texts = "".join(texts)
         assert key_texts.count(" t") == 4 and usage is not None and usage.completion_tokens == 4
 
@@ -102,7 +102,7 @@ def test_failed_engine_is_retried_elsewhere_before_the_first_byte(cluster: FakeC
     bad, _ = cluster.add()
     good, _ = cluster.add()
     bad.fail_status = 503
-    with routed(cluster) as router:
+    with routed(cluster, eject_seconds=30) as router:  # no return to rotation mid-test
         client = _client(router.url)
         for _ in range(6):
             assert client.completions.create(model="fake", prompt="x", max_tokens=1).choices
@@ -170,7 +170,9 @@ def test_a_client_that_leaves_closes_the_engine_stream(cluster: FakeCluster) -> 
 
         asyncio.run(leave_early())
         deadline = time.monotonic() + 5
-        while engine.in_flight and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            engine.in_flight or router.metric("baton:router_in_flight")
+        ):
             time.sleep(0.05)
         assert engine.in_flight == 0 and engine.disconnects == 1
         assert router.metric("baton:router_in_flight") == 0

@@ -50,7 +50,7 @@ _START_TIMEOUT = 1800.0  # loading a real model's shard can take minutes
 _POLL_MS = 100  # where no pidfd tells of a worker's exit at once, check this often
 _KV_START_TIMEOUT = 120.0  # every rank registers its KV shard with the transport
 _STOP_GRACE = 1.0  # seconds a worker gets to leave on Shutdown before it is killed
-_PEER_GRACE = 0.5  # seconds to see a peer's death behind a rank's failure report
+_PEER_GRACE = 2.0  # seconds to see a peer's death behind a rank's failure report
 
 
 _Ready = TypeVar("_Ready", WorkerReady, KVConnectorReady)
