@@ -331,6 +331,7 @@ def test_unequal_tensor_parallel_sizes_are_refused(model: Path) -> None:
     finally:
         prefill.shutdown()
         decode.shutdown()
+        single.shutdown()
 
 
 @pytest.mark.slow

@@ -56,14 +56,15 @@ def _read(
     return reader.read(spec, time.monotonic() + seconds)  # type: ignore[no-any-return]
 
 
-def _claimed(server: Any, timeout: float = 2.0) -> list[str]:
+def _finished(server: Any, timeout: float = 2.0) -> tuple[list[str], list[str]]:
+    """The server's (claimed, expired) leases once one has ended: a Done is one-way, so it may
+    still be on its way when the reader returns."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        claimed, _ = server.finished_leases(time.time())
-        if claimed:
-            return claimed  # type: ignore[no-any-return]
+    while True:
+        finished = server.finished_leases(time.time())
+        if finished != ([], []) or time.monotonic() > end:
+            return finished  # type: ignore[no-any-return]
         time.sleep(0.005)
-    return []
 
 
 def test_read_copies_leased_blocks_and_claims_the_lease(pair: Any) -> None:
@@ -76,7 +77,7 @@ def test_read_copies_leased_blocks_and_claims_the_lease(pair: Any) -> None:
     assert result.ok, result.error
     assert result.num_bytes == len(remote_ids) * served[0].numel() * 4
     assert torch.equal(as_bytes(local[local_ids]), as_bytes(served[remote_ids]))
-    assert _claimed(server) == ["r1"]
+    assert _finished(server) == (["r1"], [])
     again = _read(reader, _remote(server, "r1", remote_ids), local_ids)
     assert not again.ok and again.reason == "UNKNOWN_REQUEST"
 
@@ -201,7 +202,7 @@ def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
     time.sleep(1.2)
     assert server.finished_leases(time.time()) == ([], [])
     _side_call(server.port, nixl_channel.Done(engine, "r"))
-    assert _claimed(server) == ["r"]
+    assert _finished(server) == (["r"], [])
 
 
 def test_release_remote_frees_the_lease_at_once(pair: Any) -> None:
@@ -301,7 +302,7 @@ def _serve_in_child(ports: Any, stop: Any) -> None:
     server.lease("x", [2, 3, 4, 7], time.time() + 60)
     ports.put((server.port, server.config.engine_id))
     stop.wait(30)
-    ports.put(_claimed(server, 5))  # Done is one-way: it may still be on its way
+    ports.put(_finished(server, 5))
     server.stop()
 
 
@@ -320,7 +321,7 @@ def test_read_from_another_process() -> None:
         assert result.ok, result.error
         assert torch.equal(as_bytes(local[:4]), as_bytes(make_cache(seed=5)[[2, 3, 4, 7]]))
         stop.set()
-        assert ports.get(timeout=10) == ["x"]
+        assert ports.get(timeout=10) == (["x"], [])
     finally:
         stop.set()
         reader.stop()

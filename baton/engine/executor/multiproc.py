@@ -56,6 +56,12 @@ _PEER_GRACE = 2.0  # seconds to see a peer's death behind a rank's failure repor
 _Ready = TypeVar("_Ready", WorkerReady, KVConnectorReady)
 
 
+def _exited(rank: int, proc: subprocess.Popen[bytes], code: int, more: str) -> WorkerDiedError:
+    return WorkerDiedError(
+        f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}{more}"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -264,10 +270,7 @@ class MultiprocExecutor(Executor):
             code = proc.poll()
             if code is not None:
                 reason = self._failure_reason()
-                raise WorkerDiedError(
-                    f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                    f"{code}" + (f": {reason}" if reason else "")
-                )
+                raise _exited(rank, proc, code, f": {reason}" if reason else "")
 
     def shutdown(self) -> None:
         if self._finalizer.alive:
@@ -294,9 +297,8 @@ class MultiprocExecutor(Executor):
             for rank, proc in enumerate(self._workers.procs):
                 code = proc.poll()
                 if rank != failed.rank and code is not None and code < 0:
-                    return WorkerDiedError(
-                        f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
-                        f"{code}; rank {failed.rank} then failed: {failed.error}"
+                    return _exited(
+                        rank, proc, code, f"; rank {failed.rank} then failed: {failed.error}"
                     )
             if time.monotonic() >= deadline:
                 break
