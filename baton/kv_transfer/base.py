@@ -25,13 +25,13 @@ import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import msgspec
 import torch
 
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+from baton.roles import ROLES, Role
+
 TRANSPORTS = ("tcp", "nixl")
 FAILURE_POLICIES = ("recompute", "fail")
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-Role = Literal["prefill", "decode", "both"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+from baton.roles import ROLES, Role
 
 
 @dataclass(frozen=True)
