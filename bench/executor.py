@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from baton.engine.config import EngineArgs  # noqa: E402
 from baton.engine.core import EngineCore  # noqa: E402
 from baton.engine.models.tiny import write_tiny_model  # noqa: E402
-from baton.engine.request import Request  # noqa: E402
+from baton.engine.protocol import EngineCoreRequest  # noqa: E402
 from baton.engine.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def _start(core: EngineCore, batch: int) -> None:
     """Puts `batch` long greedy requests in, then prefills and warms up."""
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        core.add_request(Request(f"r{i}", [5 + i, 6, 7, 8], params, ()))
+        core.add_request(EngineCoreRequest(f"r{i}", [5 + i, 6, 7, 8], params, time.time()))
     for _ in range(20):
         core.step()
 

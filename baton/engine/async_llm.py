@@ -12,11 +12,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +28,19 @@ import zmq.asyncio
 
 from baton.engine import protocol as p
 from baton.engine.config import EngineArgs
-from baton.engine.core import resolve_model_path
-from baton.engine.core_proc import run_engine_core
-from baton.engine.models.config import ModelConfig
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineStats
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import load_tokenizer
+from baton.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStats"]
 
-_HELLO_TIMEOUT = 120.0  # spawning a Python process that imports torch takes seconds
+_HELLO_TIMEOUT = 120.0  # starting a Python process that imports torch takes seconds
 _READY_TIMEOUT = 1800.0  # loading a real model can take minutes
 
 
@@ -77,13 +78,13 @@ class AsyncLLM:
     # Set by start(), which is the only way to make one.
     args: EngineArgs
     model_path: Path
-    model_config: ModelConfig
     tokenizer: Any
     output_processor: OutputProcessor
     max_model_len: int
+    vocab_size: int
     num_blocks: int
     engine_pid: int
-    proc: multiprocessing.process.BaseProcess
+    proc: subprocess.Popen[bytes]
     _ctx: zmq.asyncio.Context
     _input: zmq.asyncio.Socket
     _output: zmq.asyncio.Socket
@@ -104,14 +105,13 @@ class AsyncLLM:
 
     @classmethod
     async def start(cls, args: EngineArgs) -> AsyncLLM:
-        """Spawns the core, does the HELLO / config / READY handshake, returns when READY."""
+        """Starts the core, does the HELLO / config / READY handshake, returns when READY.
+
+        The core is started by module path (`python -m baton.engine.core_proc`), so this process
+        never imports the model stack or torch; the core reads the model and says what the
+        server needs of it in READY.
+        """
         self = cls()
-        self.model_path = resolve_model_path(args.model)
-        args = _with_model(args, str(self.model_path))
-        self.args = args
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
-        self.tokenizer = load_tokenizer(args.tokenizer or self.model_path)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._tmp = tempfile.TemporaryDirectory(prefix="baton-")
         base = f"ipc://{self._tmp.name}"
         self._ctx = zmq.asyncio.Context()
@@ -124,15 +124,10 @@ class AsyncLLM:
         # The core shares the CPUs with this server: OpenMP threads that spin for long at every
         # barrier starve it, ones that sleep at once pay a wake-up per op. Measured on 2 cores,
         # 64 streams: default 620 tok/s, passive 1224, a spin count of 20000 1363.
-        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
-        spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(
-            target=run_engine_core,
-            args=(f"{base}/handshake", logging.getLogger().getEffectiveLevel()),
-            name="baton-engine-core",
-            daemon=True,
-        )
-        self.proc.start()
+        env = {"GOMP_SPINCOUNT": "20000", **os.environ}
+        level = str(logging.getLogger().getEffectiveLevel())
+        command = [sys.executable, "-m", "baton.engine.core_proc", f"{base}/handshake", level]
+        self.proc = subprocess.Popen(command, env=env)
         try:
             hello = await self._handshake_recv(handshake, _HELLO_TIMEOUT)
             if not isinstance(hello, p.Hello):
@@ -144,20 +139,29 @@ class AsyncLLM:
                 raise ValueError(f"the engine failed to start: {ready.error}")
             if not isinstance(ready, p.Ready):
                 raise RuntimeError(f"engine core sent {type(ready).__name__} instead of READY")
+            self.model_path = Path(ready.model_path)
+            self.args = replace(args, model=ready.model_path)
+            self.tokenizer = load_tokenizer(args.tokenizer or self.model_path)
         except BaseException:
             self.proc.kill()
+            self.proc.wait()
             self._close_sockets()
             raise
         finally:
             handshake.close(linger=0)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_pid = hello.pid
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
         self.kv_transport = ready.kv_transport
         self.kv_ports = ready.kv_ports
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_loop()))
-        loop.add_reader(self.proc.sentinel, self._on_core_exit)
+        # A thread waits for the core's exit and tells the loop (Popen has no pollable handle).
+        threading.Thread(
+            target=self._wait_core, args=(loop,), name="core-exit", daemon=True
+        ).start()
         logger.info("engine core %d ready: %d KV blocks", hello.pid, self.num_blocks)
         return self
 
@@ -166,9 +170,9 @@ class AsyncLLM:
         while time.monotonic() < deadline:
             if await sock.poll(timeout=500):
                 return p.handshake_decoder.decode(await sock.recv())
-            if not self.proc.is_alive():
+            if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"the engine core process exited during start-up (code {self.proc.exitcode})"
+                    f"the engine core process exited during start-up (code {self.proc.returncode})"
                 )
         raise TimeoutError(f"the engine core did not answer within {timeout:.0f} s")
 
@@ -181,7 +185,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams cumulative snapshots of one request until it finishes.
 
@@ -192,24 +196,22 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt_token_ids(prompt_token_ids, self.max_model_len, self.model_config.vocab_size)
+        check_prompt_token_ids(prompt_token_ids, self.max_model_len, self.vocab_size)
         children = child_requests(request_id, sampling_params)
         stream = _Stream()
         self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id, prompt, prompt_token_ids, [c for c, _ in children], sampling_params
         )
-        packed = p.pack_ids(prompt_token_ids)
         now = time.time()
         group = request_id if sampling_params.n > 1 else None
         finished = False
         try:  # from the first send on: a cancellation anywhere after it must abort
             for child_id, params in children:
-                msg = p.AddRequest(
+                msg = p.EngineCoreRequest(
                     child_id,
-                    packed,
+                    prompt_token_ids,
                     params,
-                    self.model_config.eos_token_ids,
                     now,
                     priority,
                     group,
@@ -230,13 +232,13 @@ class AsyncLLM:
         if child_ids and self.dead_error is None:
             await self._input.send(p.encoder.encode(p.AbortRequests(child_ids)))
 
-    async def call_utility(self, method: str, *args: Any) -> Any:
+    async def call_utility(self, method: str) -> Any:
         if self.dead_error is not None:
             raise self.dead_error
         call_id = next(self._call_ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        await self._input.send(p.encoder.encode(p.UtilityCall(call_id, method, list(args))))
+        await self._input.send(p.encoder.encode(p.UtilityCall(call_id, method)))
         return await future
 
     async def reset_prefix_cache(self) -> bool:
@@ -253,9 +255,7 @@ class AsyncLLM:
             self.stats = msg.stats
             for listener in self._stats_listeners:
                 listener(msg.stats)
-            updates, to_abort = self.output_processor.process_outputs(
-                [p.from_wire(o) for o in msg.outputs]
-            )
+            updates, to_abort = self.output_processor.process_outputs(msg.outputs)
             for update in updates:
                 stream = self._streams.get(update.request_id)
                 if stream is not None:
@@ -282,14 +282,16 @@ class AsyncLLM:
         """`callback(error)` runs once, in the event loop, when the core process dies."""
         self._dead_callbacks.append(callback)
 
+    def _wait_core(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.proc.wait()
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            loop.call_soon_threadsafe(self._on_core_exit)
+
     def _on_core_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self.proc.sentinel)
-        self.proc.join(timeout=1)
         if self._closing:
             return
         error = EngineDeadError(
-            f"the engine core process died (exit code {self.proc.exitcode}); "
+            f"the engine core process died (exit code {self.proc.returncode}); "
             "this server cannot serve requests any more"
         )
         self.dead_error = error
@@ -304,15 +306,15 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self.proc.is_alive():
+        if self.proc.poll() is None:
             try:
                 await self._input.send(p.encoder.encode(p.UtilityCall(-1, "shutdown")))
-                await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.get_running_loop().run_in_executor(None, self.proc.wait, 5)
             finally:
-                if self.proc.is_alive():
+                if self.proc.poll() is None:
                     self.proc.kill()
-        with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+                    self.proc.wait()
         for task in self._tasks:
             task.cancel()
         self._close_sockets()
@@ -320,9 +322,3 @@ class AsyncLLM:
     def _close_sockets(self) -> None:
         self._ctx.destroy(linger=0)  # closes every socket, the handshake's too
         self._tmp.cleanup()
-
-
-def _with_model(args: EngineArgs, model: str) -> EngineArgs:
-    from dataclasses import replace
-
-    return replace(args, model=model)

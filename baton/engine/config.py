@@ -1,14 +1,17 @@
-"""Engine arguments under vLLM's names, validated once, and what follows from them."""
+"""Engine arguments under vLLM's names, validated once, and what follows from them.
+
+Torch-free: the API server process builds these and sends them to the EngineCore.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.engine.scheduler.request_queue import POLICIES
-from baton.engine.worker.attention import ATTENTION_BACKENDS
 from baton.kv_transfer.base import KVTransferConfig
 
 _DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("torch", "triton")  # Baton's Triton kernels on CUDA; C/torch elsewhere
 EXECUTOR_BACKENDS = ("uni", "mp")  # in this process; one worker process per rank
 
 
@@ -55,9 +58,10 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.scheduling_policy not in POLICIES:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")

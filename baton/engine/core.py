@@ -15,8 +15,9 @@ from baton.engine.executor.uniproc import UniProcExecutor
 from baton.engine.kv_cache.manager import KVCacheConfig, cdiv
 from baton.engine.models.config import ModelConfig, parse_dtype
 from baton.engine.models.tensor_parallel import ShardLayout
+from baton.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler.output import EngineCoreOutput, SchedulerOutput
+from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
@@ -83,8 +84,6 @@ class EngineCore:
             tp,
             args.executor_backend,
         )
-        self.last_step_tokens = 0  # tokens the last step computed (the iteration-tokens metric)
-        self.kv_changed = False  # a pull or lease ended since the flag was last cleared
         self._in_flight: deque[tuple[SchedulerOutput, StepResult]] = deque()
         try:
             self.num_blocks = self._num_blocks()
@@ -94,7 +93,7 @@ class EngineCore:
             raise
         # The connector's two halves: the scheduler's (bookkeeping, here) and the worker's (the
         # transport, next to each rank's KV shard: in this process, or one per worker process).
-        self.connector: PullConnector | None = None
+        connector: PullConnector | None = None
         self.connector_worker: KVWorkerHalf | None = None
         if args.kv_transfer is not None:
             kvt = args.kv_transfer
@@ -103,8 +102,9 @@ class EngineCore:
             except BaseException:
                 self.executor.shutdown()
                 raise
-            self.connector = PullConnector(kvt, KVConnectorRole.SCHEDULER, args.block_size)
-            self.connector.ports = self.connector_worker.ports
+            connector = PullConnector(
+                kvt, KVConnectorRole.SCHEDULER, args.block_size, ports=self.connector_worker.ports
+            )
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -118,7 +118,7 @@ class EngineCore:
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
-            self.connector,
+            connector,
         )
         logger.info(
             "engine ready: %s on %s (%s), tensor_parallel_size %d, %d KV blocks of %d tokens, "
@@ -167,8 +167,10 @@ class EngineCore:
             )
         return num_blocks
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(
+            Request.from_core_request(request, self.model_config.eos_token_ids)
+        )
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -177,22 +179,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def has_pending_transfers(self) -> bool:
-        """A pull or a lease is outstanding: the loop must keep polling even when idle."""
+        """A pull or a lease is outstanding: the loop must keep stepping even when idle."""
         return self.connector_worker is not None and self.connector_worker.has_pending()
-
-    def poll_transfers(self) -> list[EngineCoreOutput]:
-        """Hands the scheduler half's instructions to the worker half and brings back what
-        ended: finished pulls, claimed and expired leases. Never blocks."""
-        if self.connector is None or self.connector_worker is None:
-            return []
-        meta = self.connector.build_connector_meta()
-        if meta:
-            self.connector_worker.start_load_kv(meta)
-        kv_output = self.connector_worker.get_finished()
-        if not kv_output and not self.connector.rejected:
-            return []
-        self.kv_changed = True
-        return self.scheduler.update_from_kv_output(kv_output)
 
     def check_health(self) -> None:
         """Raises `WorkerDiedError` if a worker process is gone."""
@@ -203,34 +191,51 @@ class EngineCore:
             self.connector_worker.shutdown()
         self.executor.shutdown()
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model, update: one turn of the busy loop.
+    def step(self) -> EngineCoreOutputs | None:
+        """One turn of the busy loop: schedule and run the model (if any request is unfinished),
+        then hand the KV connector's instructions to its worker half and apply what ended.
+
+        The KV part comes after the model, so that the lease of a request that just finished
+        exists before its answer leaves, and a pull just scheduled starts at once. Returns None
+        when the step changed nothing (no token computed, no output, no pull or lease ended):
+        the loop may then wait for input instead of spinning.
 
         With async scheduling one step stays in flight: step N+1 is scheduled and queued on the
         device before step N's tokens are read back, so the device never waits for Python.
         """
-        kv_outputs = self.poll_transfers()
-        outputs = self._step()
-        # Leases of requests that just finished and pulls just scheduled start now, not a
-        # step later: the client may hand the lease to a decode engine as soon as it hears.
-        kv_outputs += self.poll_transfers()
-        return kv_outputs + outputs if kv_outputs else outputs
+        outputs: list[EngineCoreOutput] = []
+        num_tokens = 0
+        if self.has_unfinished_requests():
+            outputs, num_tokens = self._step()
+        kv_ended = False
+        worker = self.connector_worker
+        if worker is not None:
+            meta = self.scheduler.build_connector_meta()
+            if meta:
+                worker.start_load_kv(meta)
+            kv_output = worker.get_finished()
+            if kv_output:
+                kv_ended = True
+                outputs += self.scheduler.update_from_kv_output(kv_output)
+        if not (num_tokens or outputs or kv_ended):
+            return None
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats(num_tokens))
 
-    def _step(self) -> list[EngineCoreOutput]:
+    def _step(self) -> tuple[list[EngineCoreOutput], int]:
         scheduler_output = self.scheduler.schedule()
-        self.last_step_tokens = scheduler_output.total_num_scheduled_tokens
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         if not self.args.async_scheduling:
             runner_output = self.executor.execute_model(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output), num_tokens
         pending = self.executor.execute_model_async(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens:
+        if num_tokens:
             self._in_flight.append((scheduler_output, pending))
             if len(self._in_flight) < 2:
-                return []  # keep it in flight while the next step is scheduled
+                return [], num_tokens  # keep it in flight while the next step is scheduled
         if not self._in_flight:
-            return []
+            return [], num_tokens
         oldest, oldest_pending = self._in_flight.popleft()
-        return self.scheduler.update_from_output(oldest, oldest_pending.result())
+        return self.scheduler.update_from_output(oldest, oldest_pending.result()), num_tokens
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -7,6 +7,7 @@ decodes ZMQ messages into `input_queue`, the output thread encodes what the loop
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import queue
@@ -19,7 +20,6 @@ import zmq
 from baton.engine import protocol as p
 from baton.engine.core import EngineCore
 from baton.engine.executor import WorkerDiedError
-from baton.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _WAKE = None  # put in the input queue to wake the loop; handled as "nothing"
 
 
 def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> None:
-    """Entry point of the EngineCore process (spawned by `AsyncLLM.start`)."""
+    """Entry point of the EngineCore process (started by `AsyncLLM.start`, see `main`)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core]: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -49,7 +49,7 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         handshake.close(linger=1000)
         return
     inputs: queue.Queue[p.CoreInput | None] = queue.Queue()
-    outputs: queue.Queue[p.CoreOutputs | None] = queue.Queue()
+    outputs: queue.Queue[p.EngineCoreOutputs | None] = queue.Queue()
     threading.Thread(
         target=_input_thread, args=(ctx, config.input_address, inputs), daemon=True
     ).start()
@@ -62,11 +62,12 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         # A finished pull wakes the loop at once instead of at its next poll.
         worker.wake = lambda: inputs.put(_WAKE)
     ready = p.Ready(
-        core.num_blocks,
-        core.max_model_len,
-        str(core.model_path),
-        worker.transport_name if worker is not None else None,
-        worker.ports if worker is not None else None,
+        num_blocks=core.num_blocks,
+        max_model_len=core.max_model_len,
+        model_path=str(core.model_path),
+        vocab_size=core.model_config.vocab_size,
+        kv_transport=worker.transport_name if worker is not None else None,
+        kv_ports=worker.ports if worker is not None else None,
     )
     handshake.send(p.encoder.encode(ready))
     handshake.close(linger=1000)
@@ -109,7 +110,6 @@ class BusyLoop:
         self.parent_pid = parent_pid
         self.running = True
         self._results: list[p.UtilityResult] = []
-        self._nothing_to_compute = False
         self._next_parent_check = 0.0
 
     def _orphaned(self) -> bool:
@@ -122,13 +122,15 @@ class BusyLoop:
 
     def run(self) -> None:
         core = self.core
+        idle = False  # the last step changed nothing: wait for something to happen
         while self.running:
             handled = False
-            transfers = core.has_pending_transfers()
-            # Idle, or only waiting on KV pulls: block rather than spin (a spinning loop takes
-            # the GIL and the CPU from the threads doing the pulls).
-            if not core.has_unfinished_requests() or (transfers and self._nothing_to_compute):
-                timeout = _TRANSFER_POLL_SECONDS if transfers else _IDLE_POLL_SECONDS
+            busy = core.has_unfinished_requests()
+            pending = core.has_pending_transfers()
+            # Nothing to compute, or nothing that could be computed: block rather than spin (a
+            # spinning loop takes the GIL and the CPU from the threads doing the pulls).
+            if not busy or idle:
+                timeout = _TRANSFER_POLL_SECONDS if busy or pending else _IDLE_POLL_SECONDS
                 try:  # wake up now and then to notice an orphaned process or expired leases
                     self._handle(self.inputs.get(timeout=timeout))
                     handled = True
@@ -137,7 +139,7 @@ class BusyLoop:
                         logger.warning("API server is gone; exiting")
                         return
                     core.check_health()  # an idle engine notices a dead worker too
-                    if not transfers:
+                    if not (busy or pending):
                         continue
             while True:
                 try:
@@ -145,47 +147,27 @@ class BusyLoop:
                     handled = True
                 except queue.Empty:
                     break
-            stepped = core.has_unfinished_requests()
-            if stepped and self._orphaned():  # a busy loop computes for nobody otherwise
+            busy = core.has_unfinished_requests()
+            if busy and self._orphaned():  # a busy loop computes for nobody otherwise
                 logger.warning("API server is gone; exiting with requests unfinished")
                 return
-            if stepped:
-                step_outputs = core.step()
-                self._nothing_to_compute = core.last_step_tokens == 0 and not step_outputs
-            else:
-                step_outputs = core.poll_transfers() if transfers else []
-                self._nothing_to_compute = False
-            kv_changed, core.kv_changed = core.kv_changed, False
-            if stepped or handled or self._results or kv_changed:
-                # Also after inputs alone (an abort of the last request): the server's gauges
-                # must see the cache go back to idle.
-                self.outputs.put(
-                    p.CoreOutputs(
-                        outputs=[p.to_wire(o) for o in step_outputs],
-                        stats=self._stats(stepped),
-                        utility_results=self._results,
-                    )
-                )
-                self._results = []
+            result = core.step() if busy or core.has_pending_transfers() else None
+            idle = result is None
+            if result is None and (handled or self._results):
+                # Inputs alone changed the state (an abort of the last request): the server's
+                # gauges must see the cache go back to idle.
+                result = p.EngineCoreOutputs([], core.scheduler.make_stats())
+            if result is not None:
+                result.utility_results, self._results = self._results, []
+                self.outputs.put(result)
 
     def _handle(self, msg: p.CoreInput | None) -> None:
         core = self.core
         if msg is _WAKE:
             return
-        if isinstance(msg, p.AddRequest):
+        if isinstance(msg, p.EngineCoreRequest):
             try:
-                core.add_request(
-                    Request(
-                        msg.request_id,
-                        p.unpack_ids(msg.prompt_token_ids),
-                        msg.sampling_params,
-                        msg.eos_token_ids,
-                        arrival_time=msg.arrival_time,
-                        priority=msg.priority,
-                        group_id=msg.group_id,
-                        kv_transfer_params=msg.kv_transfer_params,
-                    )
-                )
+                core.add_request(msg)
             except ValueError as e:  # the server checks first; this is the last line of defence
                 logger.warning("rejected request %s: %s", msg.request_id, e)
         elif isinstance(msg, p.AbortRequests):
@@ -197,30 +179,22 @@ class BusyLoop:
         result: Any = None
         if call.method == "reset_prefix_cache":
             result = self.core.scheduler.reset_prefix_cache()
-        elif call.method == "get_load":
-            result = self._stats(stepped=False, drain=False)
         elif call.method == "shutdown":
             self.running = False
         else:
             return p.UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         return p.UtilityResult(call.call_id, result=result)
 
-    def _stats(self, stepped: bool, drain: bool = True) -> p.EngineStats:
-        scheduler = self.core.scheduler
-        s = scheduler.make_stats()
-        transfers: list[tuple[int, float, str]] = []
-        if drain and scheduler.kv_transfer_results:
-            transfers = [(r.num_bytes, r.seconds, r.reason) for r in scheduler.kv_transfer_results]
-            scheduler.kv_transfer_results = []
-        return p.EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions,
-            step_tokens=self.core.last_step_tokens if stepped else 0,
-            kv_transfers=transfers,
-            kv_blocks_leased=s.kv_blocks_leased,
-            kv_leases_expired=s.kv_leases_expired,
-        )
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m baton.engine.core_proc ADDRESS LOG_LEVEL`: how `AsyncLLM` starts the core, by
+    module path, so that the API server never imports the engine's model stack."""
+    parser = argparse.ArgumentParser(prog="baton.engine.core_proc")
+    parser.add_argument("handshake_address")
+    parser.add_argument("log_level", type=int, nargs="?", default=logging.INFO)
+    args = parser.parse_args(argv)
+    run_engine_core(args.handshake_address, args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -11,7 +12,7 @@ from baton.engine.core import EngineCore
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
-from baton.engine.request import Request
+from baton.engine.protocol import EngineCoreRequest
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import apply_chat_template, load_tokenizer
 
@@ -60,10 +61,10 @@ class LLM:
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         inputs = [self._tokenize(p, i) for i, p in enumerate(prompts)]
-        mc = self.engine.model_config
+        vocab_size = self.engine.model_config.vocab_size
         for i, (_, ids) in enumerate(inputs):
             try:
-                check_prompt_token_ids(ids, self.engine.max_model_len, mc.vocab_size)
+                check_prompt_token_ids(ids, self.engine.max_model_len, vocab_size)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         request_ids = []
@@ -112,11 +113,11 @@ class LLM:
         request_id = str(next(self._counter))
         children = child_requests(request_id, params)
         self.output_processor.add_request(request_id, text, ids, [c for c, _ in children], params)
-        eos = self.engine.model_config.eos_token_ids
         group = request_id if params.n > 1 else None
+        now = time.time()
         for child_id, child_params in children:
             self.engine.add_request(
-                Request(child_id, ids, child_params, eos, priority=priority, group_id=group)
+                EngineCoreRequest(child_id, ids, child_params, now, priority, group)
             )
         return request_id
 
@@ -124,7 +125,10 @@ class LLM:
         wanted = set(request_ids)
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests() and len(results) < len(wanted):
-            updates, to_abort = self.output_processor.process_outputs(self.engine.step())
+            step = self.engine.step()
+            if step is None:
+                continue
+            updates, to_abort = self.output_processor.process_outputs(step.outputs)
             if to_abort:
                 self.engine.abort_requests(to_abort)
             for output in updates:

@@ -8,8 +8,8 @@ from typing import Any
 
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from baton.engine.protocol import EngineCoreOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler.output import EngineCoreOutput
 
 
 @dataclass
@@ -102,7 +102,7 @@ class OutputProcessor:
                 sample.detok.flush()
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 if out.kv_transfer_params is not None:
-                    parent.kv_transfer_params = out.kv_transfer_params
+                    parent.kv_transfer_params = out.kv_transfer_params.to_json()
                 if out.error is not None:
                     parent.error = out.error
             touched[parent.request_id] = parent

@@ -1,6 +1,7 @@
-"""The wire protocol between the API server process and the EngineCore process (msgspec).
+"""The wire between the API server process and the EngineCore process: msgspec structs that both
+sides build and read directly (the scheduler makes `EngineCoreOutput`s, the core sends them
+as they are). Torch-free: it imports only the engine's plain configuration records.
 
-Defined once, used by both sides. Token ids travel as packed int32 bytes, not lists of ints.
 Handshake on its own socket: the core says `Hello`, the server answers `CoreConfig`, the core
 loads the model, sizes the KV cache and answers `Ready` (or `Failed`).
 """
@@ -10,20 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from baton.engine.config import EngineArgs
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler.output import EngineCoreOutput, LogprobsEntry
-
-
-def pack_ids(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype=np.int32).tobytes()
-
-
-def unpack_ids(data: bytes) -> list[int]:
-    return np.frombuffer(data, dtype=np.int32).tolist()
-
+from baton.kv_transfer.base import TransferResult
+from baton.kv_transfer.params import KVTransferParams
 
 # ---- handshake -----------------------------------------------------------------------------
 
@@ -39,9 +31,12 @@ class CoreConfig(msgspec.Struct, tag="config"):
 
 
 class Ready(msgspec.Struct, tag="ready"):
+    """What the server needs to know of the engine; the core is the one that read the model."""
+
     num_blocks: int
     max_model_len: int
-    model_path: str
+    model_path: str  # the folder in use (the built-in model's, when none was named)
+    vocab_size: int
     kv_transport: str | None = None  # the KV transport in use (None: no connector)
     kv_ports: list[int] | None = None  # one per tensor-parallel rank
 
@@ -55,15 +50,18 @@ Handshake = Hello | CoreConfig | Ready | Failed
 # ---- server -> core ------------------------------------------------------------------------
 
 
-class AddRequest(msgspec.Struct, tag="add"):
+class EngineCoreRequest(msgspec.Struct, tag="add"):
+    """One sequence to generate for (a prompt with n > 1 is n of them, in one group)."""
+
     request_id: str
-    prompt_token_ids: bytes  # packed int32
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...]
     arrival_time: float
     priority: int = 0
+    # Samples of one prompt (n > 1) share a group so the scheduler can let the first one fill
+    # the prefix cache before the others look it up.
     group_id: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -72,43 +70,54 @@ class AbortRequests(msgspec.Struct, tag="abort"):
 
 class UtilityCall(msgspec.Struct, tag="utility"):
     call_id: int
-    method: str  # one of UTILITY_METHODS
-    args: list[Any] = []
+    method: str  # "reset_prefix_cache" or "shutdown"
 
 
-UTILITY_METHODS = ("reset_prefix_cache", "get_load", "shutdown")
-
-CoreInput = AddRequest | AbortRequests | UtilityCall
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall
 
 # ---- core -> server ------------------------------------------------------------------------
 
 
+class LogprobsEntry(msgspec.Struct, array_like=True):
+    """Logprobs of one sampled position: the sampled token first, then the top ones."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int  # 1 = the most likely token
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True):
+    """What the core reports for one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
+    # On the last output of a prefill request whose KV is leased to a decode engine.
+    kv_transfer_params: KVTransferParams | None = None
+    error: str | None = None  # with finish_reason "error": the message for the client
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class EngineStats(msgspec.Struct):
-    """The core's state after a step; the server's gauges and backpressure read it."""
+    """The engine's state after a step; the server's gauges and backpressure read it."""
 
     num_running: int = 0
-    num_waiting: int = 0
+    num_waiting: int = 0  # requests waiting for their remote KV included, as vLLM counts them
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # cumulative
     step_tokens: int = 0  # tokens computed in the step that produced this message
-    # KV transfers that ended since the last message: (bytes, seconds, failure reason or "").
-    kv_transfers: list[tuple[int, float, str]] = []
+    kv_transfers: list[TransferResult] = []  # pulls that ended since the last message
     kv_blocks_leased: int = 0
     kv_leases_expired: int = 0  # cumulative
-
-
-class OutputWire(msgspec.Struct, array_like=True):
-    request_id: str
-    new_token_ids: bytes  # packed int32
-    new_logprobs: list[LogprobsEntry] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-    queue_time: float | None
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
 
 
 class UtilityResult(msgspec.Struct, array_like=True):
@@ -117,41 +126,13 @@ class UtilityResult(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
-class CoreOutputs(msgspec.Struct, tag="outputs"):
-    outputs: list[OutputWire]
+class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
     stats: EngineStats
     utility_results: list[UtilityResult] = []
-
-
-def to_wire(out: EngineCoreOutput) -> OutputWire:
-    return OutputWire(
-        out.request_id,
-        pack_ids(out.new_token_ids),
-        out.new_logprobs,
-        out.finish_reason,
-        out.stop_reason,
-        out.num_cached_tokens,
-        out.queue_time,
-        out.kv_transfer_params,
-        out.error,
-    )
-
-
-def from_wire(out: OutputWire) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=out.request_id,
-        new_token_ids=unpack_ids(out.new_token_ids),
-        new_logprobs=out.new_logprobs,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        num_cached_tokens=out.num_cached_tokens,
-        queue_time=out.queue_time,
-        kv_transfer_params=out.kv_transfer_params,
-        error=out.error,
-    )
 
 
 encoder = msgspec.msgpack.Encoder()
 handshake_decoder = msgspec.msgpack.Decoder(Handshake)
 input_decoder = msgspec.msgpack.Decoder(CoreInput)
-output_decoder = msgspec.msgpack.Decoder(CoreOutputs)
+output_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
 
+from baton.engine.protocol import EngineCoreRequest
 from baton.engine.sampling_params import SamplingParams
+from baton.kv_transfer.params import KVTransferParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,7 +50,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         group_id: str | None = None,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -61,7 +62,7 @@ class Request:
         # the prefix cache before the others look it up.
         self.group_id = group_id
         self.status = RequestStatus.WAITING
-        # The KV connector's instructions (do_remote_decode / do_remote_prefill and where).
+        # The KV connector's instructions (do_remote_decode, or do_remote_prefill and where).
         self.kv_transfer_params = kv_transfer_params
         self.kv_load_tried = False  # a remote pull is tried once; a failure recomputes locally
         self.error: str | None = None  # why the engine ended it (FINISHED_ERROR)
@@ -78,6 +79,20 @@ class Request:
         self.first_scheduled_time: float | None = None
         # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.
         self.block_hashes: list[bytes] = []
+
+    @classmethod
+    def from_core_request(cls, req: EngineCoreRequest, eos_token_ids: tuple[int, ...]) -> Request:
+        """The engine's state for a request that came over the wire (or from `LLM`)."""
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            eos_token_ids,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            group_id=req.group_id,
+            kv_transfer_params=req.kv_transfer_params,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import abc
 import enum
-import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-import torch
 
+from baton.kv_transfer.params import FAILURE_POLICIES, KVTransferParams, RemotePrefill
 from baton.roles import ROLES, Role
 
+if TYPE_CHECKING:  # the contract names the tensor; importing it would load torch everywhere
+    import torch
+
 TRANSPORTS = ("tcp", "nixl")
-FAILURE_POLICIES = ("recompute", "fail")
 
 
 class KVConnectorRole(enum.Enum):
@@ -87,129 +88,6 @@ class KVTransferConfig:
         return replace(self, rank=rank, port=self.port + rank if self.port else 0)
 
 
-def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = params.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise ValueError(f"kv_transfer_params.{name} is missing or not a {_kind_name(kind)}")
-    return value
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
-
-
-def _port(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
-        raise ValueError(f"kv_transfer_params.{name} {value!r} is not a TCP port")
-    return value
-
-
-@dataclass(frozen=True)
-class RemotePrefill:
-    """Where a decode request's prompt KV lies: the prefill engine's answer, parsed."""
-
-    engine_id: str
-    host: str
-    port: int  # rank 0's; the one a reader of this shard connects to
-    request_id: str
-    block_ids: list[int]
-    num_prompt_tokens: int
-    lease_expires_at: float  # Unix time, seconds
-    # One per tensor-parallel rank of the prefill engine: rank r's shard is served on ports[r].
-    ports: tuple[int, ...] = ()
-
-    @property
-    def tensor_parallel_size(self) -> int:
-        return len(self.ports) or 1
-
-    def for_rank(self, rank: int) -> RemotePrefill:
-        """Where rank `rank`'s shard lies: the matching rank of the prefill engine."""
-        return replace(self, port=self.ports[rank]) if self.ports else self
-
-    @classmethod
-    def parse(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Raises ValueError naming the field when ``params`` is not a prefill answer."""
-        block_ids = _field(params, "remote_block_ids", list)
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
-            raise ValueError("kv_transfer_params.remote_block_ids must be non-negative integers")
-        port = _port(_field(params, "remote_port", int), "remote_port")
-        ports = params.get("remote_ports", [port])
-        if not isinstance(ports, list) or not ports:
-            raise ValueError("kv_transfer_params.remote_ports must be a non-empty list of ports")
-        ports = tuple(_port(p, "remote_ports[]") for p in ports)
-        if ports[0] != port:
-            raise ValueError(
-                f"kv_transfer_params.remote_ports[0] ({ports[0]}) must be remote_port ({port}): "
-                "rank 0's shard is served on remote_port"
-            )
-        expires = float(_field(params, "lease_expires_at", (int, float)))
-        if not math.isfinite(expires):
-            raise ValueError("kv_transfer_params.lease_expires_at must be a finite number")
-        return cls(
-            engine_id=_field(params, "remote_engine_id", str),
-            host=_field(params, "remote_host", str),
-            port=port,
-            request_id=_field(params, "remote_request_id", str),
-            block_ids=block_ids,
-            num_prompt_tokens=_field(params, "num_prompt_tokens", int),
-            lease_expires_at=expires,
-            ports=ports,
-        )
-
-
-def layout_mismatch(remote: RemotePrefill, tensor_parallel_size: int) -> str | None:
-    """Why this engine cannot read `remote`'s blocks, or None. Each rank reads the shard of the
-    matching remote rank, so both engines must split the KV heads alike."""
-    if remote.tensor_parallel_size == tensor_parallel_size:
-        return None
-    return (
-        f"INCOMPATIBLE_LAYOUT: the prefill engine runs tensor_parallel_size "
-        f"{remote.tensor_parallel_size} (kv_transfer_params.remote_ports has "
-        f"{remote.tensor_parallel_size}), this decode engine {tensor_parallel_size}; KV blocks "
-        f"move only between engines of equal tensor_parallel_size"
-    )
-
-
-def check_kv_transfer_params(
-    params: dict[str, Any] | None, role: Role | None, tensor_parallel_size: int = 1
-) -> None:
-    """What the API server checks before accepting a request: raises ValueError with a message
-    for the client. ``role`` is the engine's (None: the engine has no connector)."""
-    if not params:
-        return
-    try:  # the params travel to the EngineCore as they are: they must fit its wire format
-        msgspec.msgpack.encode(params)
-    except (OverflowError, RecursionError, TypeError) as e:
-        raise ValueError(f"kv_transfer_params cannot be carried to the engine: {e}") from None
-    remote_decode = params.get("do_remote_decode") is True
-    remote_prefill = params.get("do_remote_prefill") is True
-    if remote_decode and remote_prefill:
-        raise ValueError(
-            "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill"
-        )
-    policy = params.get("kv_load_failure_policy")
-    if policy is not None and policy not in FAILURE_POLICIES:
-        raise ValueError(
-            f"kv_transfer_params.kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
-            f"got {policy!r}"
-        )
-    if remote_decode and role not in ("prefill", "both"):
-        raise ValueError(
-            f"do_remote_decode needs an engine of role prefill or both; this engine's role is "
-            f"{role or 'both, without a KV transport'}"
-        )
-    if remote_prefill:
-        if role not in ("decode", "both"):
-            raise ValueError(
-                f"do_remote_prefill needs an engine of role decode or both; this engine's role "
-                f"is {role or 'both, without a KV transport'}"
-            )
-        mismatch = layout_mismatch(RemotePrefill.parse(params), tensor_parallel_size)
-        if mismatch is not None:
-            raise ValueError(mismatch.split(": ", 1)[1])
-
-
 # ---- what passes from the scheduler half to the worker half --------------------------------
 
 
@@ -250,11 +128,10 @@ class KVConnectorMetadata:
 # ---- what passes back ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TransferResult:
+class TransferResult(msgspec.Struct, frozen=True, array_like=True):
     """How one pull ended. ``reason`` is a short code for metrics (``UNKNOWN_ENGINE``,
     ``EXPIRED``, ``CHECKSUM_MISMATCH``, ``DEADLINE``, ``CONNECT_FAILED`` ...), ``error`` the
-    whole message."""
+    whole message. It travels as it is to the API server, whose metrics count it."""
 
     req_id: str
     ok: bool
@@ -318,11 +195,25 @@ class KVTransport(Protocol):
 # ---- the connector ---------------------------------------------------------------------------
 
 
+class ConnectorRequest(Protocol):
+    """What the connector reads of an engine request (the engine's `Request` has it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def kv_transfer_params(self) -> KVTransferParams | None: ...
+
+
 class KVConnectorBase(abc.ABC):
     """One class, two halves; an instance serves the half its ``role`` names.
 
-    Scheduler-half methods are called from the busy loop only, must not block and do no I/O.
-    Worker-half methods are called from the busy loop too, but own the transport's threads.
+    Scheduler-half methods are called from the busy loop only, must not block and do no I/O;
+    what they decide comes back as their return values. Worker-half methods are called from the
+    busy loop too, but own the transport's threads; what ended comes back from `get_finished`.
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:
@@ -332,26 +223,44 @@ class KVConnectorBase(abc.ABC):
     # ======================== scheduler half ========================
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> int:
         """Prompt tokens after the ``num_computed_tokens`` local hits that can be loaded from a
         remote engine (0: none). Side-effect free; called each time the request is considered."""
 
     @abc.abstractmethod
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external: int
-    ) -> None:
-        """Called once the scheduler allocated local blocks for ``num_external`` remote tokens
-        (``num_external`` 0: nothing will be loaded; the remote lease may be released)."""
+        self,
+        request: ConnectorRequest,
+        block_ids: list[int],
+        num_computed_tokens: int,
+        num_external: int,
+    ) -> TransferResult | None:
+        """Called once per request that asked for a remote prefill, after the scheduler
+        allocated local blocks for ``num_external`` remote tokens (0: nothing will be loaded;
+        the remote lease may be released). Returns a failed result when the request's params
+        cannot be used at all (the request is then computed locally and the result counted)."""
 
     @abc.abstractmethod
-    def request_finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
-        """Called once when a request finishes. Returns the ``kv_transfer_params`` for the client
-        when the blocks are kept for a remote reader: the scheduler then must not free them until
-        the worker reports the lease claimed or expired. None: free them now."""
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> KVTransferParams | None:
+        """Called once when a request finishes. Returns the params for the client when the
+        blocks are kept for a remote reader: the scheduler then must not free them until the
+        worker half reports the lease claimed or expired. None: free them now."""
 
     @abc.abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
         """The instructions gathered since the last call, for the worker half; resets them."""
+
+    def load_failure_policy(self, request: ConnectorRequest) -> str:
+        """What a failed pull of ``request`` does: "recompute" locally or "fail" the request.
+        The request's own choice, else the engine's."""
+        params = request.kv_transfer_params
+        if params is not None and params.load_failure_policy is not None:
+            return params.load_failure_policy
+        return self.config.load_failure_policy
 
     # ========================= worker half ==========================
 

@@ -12,11 +12,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING
 
 from baton.kv_transfer.base import (
+    ConnectorRequest,
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -25,10 +24,12 @@ from baton.kv_transfer.base import (
     KVTransport,
     LeaseSpec,
     LoadSpec,
-    RemotePrefill,
     TransferResult,
-    layout_mismatch,
 )
+from baton.kv_transfer.params import KVTransferParams, RemotePrefill, cdiv, layout_mismatch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +37,6 @@ logger = logging.getLogger(__name__)
 # without crowding the busy loop off the two cores of a small machine.
 _LOADER_THREADS = 4
 _RELEASE_TIMEOUT_S = 2.0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_prefill") is True  # type: ignore[union-attr]
-
-
-def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("do_remote_decode") is True  # type: ignore[union-attr]
 
 
 def make_transport(config: KVTransferConfig) -> KVTransport:
@@ -74,17 +63,15 @@ class PullConnector(KVConnectorBase):
         role: KVConnectorRole,
         block_size: int,
         transport: KVTransport | None = None,
+        ports: list[int] | None = None,
     ) -> None:
         super().__init__(config, role)
         self.block_size = block_size
-        # ---- both halves: where each rank's shard is served (the scheduler half learns them
-        # from the worker half once its transports have started).
-        self.ports: list[int] = [config.port]
+        # Where each rank's shard is served: the scheduler half is told by the worker half, whose
+        # transports pick the ports when they start (`register_kv_cache`).
+        self.ports: list[int] = ports or [config.port]
         # ---- scheduler half
         self._meta = KVConnectorMetadata()
-        self.num_leased_blocks: dict[str, int] = {}
-        # Failures found without a pull (params for another prompt): reported with the pulls'.
-        self.rejected: list[TransferResult] = []
         # ---- worker half
         self.transport = transport
         self.wake: Callable[[], None] | None = None  # called when a pull ends (wakes the loop)
@@ -96,45 +83,46 @@ class PullConnector(KVConnectorBase):
 
     # ======================== scheduler half ========================
 
-    def _remote(self, request: Any) -> RemotePrefill | str:
-        """The remote prompt KV of a decode request with `do_remote_prefill`, or why this
+    def _remote(self, request: ConnectorRequest) -> RemotePrefill | str | None:
+        """The remote prompt KV of a decode request (None: it asks for none), or why this
         engine cannot read it (a failure code and message)."""
+        params = request.kv_transfer_params
+        remote = params.remote if params is not None else None
+        if remote is None:
+            return None
         num_prompt = request.num_prompt_tokens
-        bad = (
-            "BAD_PARAMS: kv_transfer_params do not describe this prompt "
-            f"({num_prompt} tokens); recomputing"
-        )
-        try:
-            remote = RemotePrefill.parse(request.kv_transfer_params)
-        except ValueError:
-            return bad
-        if remote.num_prompt_tokens != num_prompt:
-            return bad
-        if len(remote.block_ids) < cdiv(num_prompt - 1, self.block_size):
-            return bad
+        if remote.num_prompt_tokens != num_prompt or len(remote.block_ids) < cdiv(
+            num_prompt - 1, self.block_size
+        ):
+            return (
+                "BAD_PARAMS: kv_transfer_params do not describe this prompt "
+                f"({num_prompt} tokens); recomputing"
+            )
         return layout_mismatch(remote, len(self.ports)) or remote
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        if not wants_remote_prefill(request.kv_transfer_params):
-            return 0
-        if isinstance(self._remote(request), str):
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> int:
+        if not isinstance(self._remote(request), RemotePrefill):
             return 0
         # The last prompt token is recomputed here: its logits give the first token.
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: list[int], num_computed_tokens: int, num_external: int
-    ) -> None:
-        params = request.kv_transfer_params
-        if not wants_remote_prefill(params):
-            return
+        self,
+        request: ConnectorRequest,
+        block_ids: list[int],
+        num_computed_tokens: int,
+        num_external: int,
+    ) -> TransferResult | None:
         remote = self._remote(request)
+        if remote is None:
+            return None
         if isinstance(remote, str):
-            self.rejected.append(TransferResult(request.request_id, False, remote))
-            return
+            return TransferResult(request.request_id, False, remote)
         if num_external == 0:
             self._meta.releases.append(remote)
-            return
+            return None
         bs = self.block_size
         first = num_computed_tokens // bs
         last = cdiv(num_computed_tokens + num_external, bs)
@@ -147,9 +135,13 @@ class PullConnector(KVConnectorBase):
                 timeout=self.config.load_timeout,
             )
         )
+        return None
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
-        if not wants_remote_decode(request.kv_transfer_params):
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> KVTransferParams | None:
+        params = request.kv_transfer_params
+        if params is None or not params.do_remote_decode:
             return None
         num_prompt = request.num_prompt_tokens
         lease_ids = block_ids[: cdiv(num_prompt, self.block_size)]
@@ -157,27 +149,18 @@ class PullConnector(KVConnectorBase):
             return None
         expires_at = time.time() + self.config.lease_seconds
         self._meta.leases.append(LeaseSpec(request.request_id, lease_ids, expires_at))
-        self.num_leased_blocks[request.request_id] = len(lease_ids)
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.config.engine_id,
-            "remote_host": self.config.public_host,
-            "remote_port": self.ports[0],
-            "remote_ports": self.ports,
-            "remote_request_id": request.request_id,
-            "remote_block_ids": lease_ids,
-            "num_prompt_tokens": num_prompt,
-            "lease_expires_at": expires_at,
-        }
-
-    def lease_ended(self, req_id: str) -> None:
-        self.num_leased_blocks.pop(req_id, None)
-
-    def failure_policy(self, request: Any) -> str:
-        params = request.kv_transfer_params or {}
-        policy = params.get("kv_load_failure_policy")
-        return policy if isinstance(policy, str) else self.config.load_failure_policy
+        return KVTransferParams.lease(
+            RemotePrefill(
+                engine_id=self.config.engine_id,
+                host=self.config.public_host,
+                port=self.ports[0],
+                request_id=request.request_id,
+                block_ids=lease_ids,
+                num_prompt_tokens=num_prompt,
+                lease_expires_at=expires_at,
+                ports=tuple(self.ports),
+            )
+        )
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()

@@ -14,6 +14,8 @@ from baton import LLM, SamplingParams
 from baton.engine import protocol as p
 from baton.engine.async_llm import AsyncLLM, EngineDeadError
 from baton.engine.config import EngineArgs
+from baton.kv_transfer.base import TransferResult
+from baton.kv_transfer.params import KVTransferParams
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +59,7 @@ def test_streams_equal_offline_llm_and_abort_frees_blocks(tiny_model) -> None:
             assert await llm.reset_prefix_cache() is True
         finally:
             await llm.shutdown()
-        assert not llm.proc.is_alive()
+        assert llm.proc.poll() is not None
 
     asyncio.run(main())
 
@@ -131,12 +133,20 @@ def test_a_model_that_cannot_load_fails_start_clearly(tmp_path: Path, tiny_model
 
 
 def test_wire_messages_round_trip() -> None:
-    """Requests and outputs survive the msgspec codec; token ids travel packed as int32."""
-    msg = p.AddRequest("a", p.pack_ids([1, 2, 70000]), SamplingParams(stop=["x"]), (2,), 1.5)
+    """Requests and outputs survive the msgspec codec, typed hand-off params included; a value
+    the engine would refuse does not decode."""
+    kv = KVTransferParams(do_remote_decode=True, load_failure_policy="fail")
+    msg = p.EngineCoreRequest("a", [1, 2, 70000], SamplingParams(stop=["x"]), 1.5, 0, None, kv)
     back = p.input_decoder.decode(p.encoder.encode(msg))
-    assert back == msg and p.unpack_ids(back.prompt_token_ids) == [1, 2, 70000]
-    assert len(msg.prompt_token_ids) == 12
+    assert back == msg and back.prompt_token_ids == [1, 2, 70000]
+    assert isinstance(back.kv_transfer_params, KVTransferParams)
+    out = p.EngineCoreOutputs(
+        [p.EngineCoreOutput("a", [7], finish_reason="length", kv_transfer_params=kv)],
+        p.EngineStats(kv_transfers=[TransferResult("a", False, "DEADLINE: late", 4, 0.5)]),
+    )
+    again = p.output_decoder.decode(p.encoder.encode(out))
+    assert again == out and again.stats.kv_transfers[0].reason == "DEADLINE"
     with pytest.raises(Exception, match="temperature"):
-        bad = p.AddRequest("a", b"", SamplingParams(), (), 1.0)
+        bad = p.EngineCoreRequest("a", [1], SamplingParams(), 1.0)
         raw = p.encoder.encode(bad).replace(b"temperature\xcb?\xf0", b"temperature\xcb\xbf\xf0")
         p.input_decoder.decode(raw)

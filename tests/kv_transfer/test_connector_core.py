@@ -8,6 +8,7 @@ import importlib
 import os
 import signal
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ from baton.engine.config import EngineArgs
 from baton.engine.core import EngineCore
 from baton.engine.executor import WorkerDiedError
 from baton.engine.executor.multiproc import MultiprocExecutor
-from baton.engine.request import Request, RequestStatus
+from baton.engine.protocol import EngineCoreOutput, EngineCoreRequest
+from baton.engine.request import RequestStatus
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler.output import EngineCoreOutput
-from baton.kv_transfer.base import KVTransferConfig, check_kv_transfer_params
+from baton.kv_transfer.base import KVTransferConfig, TransferResult
+from baton.kv_transfer.params import KVTransferParams
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -38,8 +40,38 @@ def _engine(model: Path, role: str | None, tp: int = 1, **kv: object) -> EngineC
     return EngineCore(args)
 
 
+def _request(
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    kv_transfer_params: dict | KVTransferParams | None = None,
+) -> EngineCoreRequest:
+    """An engine request, with its kv_transfer_params parsed as the API server parses them."""
+    if isinstance(kv_transfer_params, dict):
+        kv_transfer_params = KVTransferParams.parse(kv_transfer_params)
+    return EngineCoreRequest(request_id, prompt, params, time.time(), 0, None, kv_transfer_params)
+
+
+# Pulls that ended on each engine, as its stats reported them.
+_TRANSFERS: weakref.WeakKeyDictionary[EngineCore, list[TransferResult]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _step(core: EngineCore) -> list[EngineCoreOutput]:
+    step = core.step()
+    if step is None:
+        return []
+    _TRANSFERS.setdefault(core, []).extend(step.stats.kv_transfers)
+    return step.outputs
+
+
+def transfers(core: EngineCore) -> list[TransferResult]:
+    return _TRANSFERS.get(core, [])
+
+
 def _run(
-    core: EngineCore, requests: list[Request], timeout: float = 30
+    core: EngineCore, requests: list[EngineCoreRequest], timeout: float = 30
 ) -> dict[str, EngineCoreOutput]:
     """Steps until every request finished; returns each one's last output (with all tokens)."""
     for r in requests:
@@ -51,7 +83,7 @@ def _run(
         assert time.monotonic() < deadline, f"not finished: {set(tokens) - set(last)}"
         if not core.has_unfinished_requests():
             time.sleep(0.001)
-        for out in core.step():
+        for out in _step(core):
             tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 out.new_token_ids = tokens[out.request_id]
@@ -63,8 +95,14 @@ def _drain(core: EngineCore, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while core.has_pending_transfers() or core.has_unfinished_requests():
         assert time.monotonic() < deadline, "transfers still pending"
-        core.step()
+        _step(core)
         time.sleep(0.001)
+
+
+def _params(out: EngineCoreOutput) -> dict:
+    """A prefill answer's kv_transfer_params as the client sees them (JSON)."""
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params.to_json()
 
 
 def _prompts() -> list[list[int]]:
@@ -88,20 +126,20 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def _prefill_request(request_id: str, prompt: list[int]) -> Request:
+def _prefill_request(request_id: str, prompt: list[int]) -> EngineCoreRequest:
     """The prefill step of a hand-off: one token, the prompt's blocks leased."""
     hand_off = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    return Request(request_id, prompt, hand_off, kv_transfer_params={"do_remote_decode": True})
+    return _request(request_id, prompt, hand_off, kv_transfer_params={"do_remote_decode": True})
 
 
 def _hand_off(prefill: EngineCore, decode: EngineCore, prompts, decode_params=None):
     pre = _run(prefill, [_prefill_request(f"p{i}", ids) for i, ids in enumerate(prompts)])
     reqs = []
     for i, ids in enumerate(prompts):
-        params = dict(pre[f"p{i}"].kv_transfer_params or {})
+        params = _params(pre[f"p{i}"])
         assert params["num_prompt_tokens"] == len(ids)
         params.update(decode_params or {})
-        reqs.append(Request(f"d{i}", ids, GREEDY, kv_transfer_params=params))
+        reqs.append(_request(f"d{i}", ids, GREEDY, kv_transfer_params=params))
     return pre, _run(decode, reqs)
 
 
@@ -110,7 +148,7 @@ def test_disaggregated_equals_single_engine(model: Path, transport: str) -> None
     prefill engine's leases are all claimed and its blocks freed."""
     single = _engine(model, None)
     prompts = _prompts()
-    want = _run(single, [Request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
+    want = _run(single, [_request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
     prefill, decode = (
         _engine(model, "prefill", transport=transport),
         _engine(model, "decode", transport=transport),
@@ -124,9 +162,9 @@ def test_disaggregated_equals_single_engine(model: Path, transport: str) -> None
             # The prefill engine's one token is the first decode token.
             assert pre[f"p{i}"].new_token_ids == want[f"s{i}"].new_token_ids[:1]
         _drain(prefill)
-        assert not prefill.scheduler.leased
+        assert not prefill.scheduler.remote_kv.leased
         assert prefill.scheduler.kv.usage() == 0.0
-        results = decode.scheduler.kv_transfer_results
+        results = transfers(decode)
         assert [r.ok for r in results].count(True) == sum(len(p) > 1 for p in prompts)
     finally:
         prefill.shutdown()
@@ -143,19 +181,19 @@ def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path, transport: str
     single = _engine(model, None)
     base = [9 + j % 50 for j in range(21)]
     prompts = [base, [*base, 3, 4, 5, 6, 7, 8, 9]]
-    want = _run(single, [Request(f"s{i}", p, GREEDY) for i, p in enumerate(prompts)])
+    want = _run(single, [_request(f"s{i}", p, GREEDY) for i, p in enumerate(prompts)])
     try:
-        _run(decode, [Request("warm", base, GREEDY)])  # the decode engine now caches `base`
+        _run(decode, [_request("warm", base, GREEDY)])  # the decode engine now caches `base`
         _, got = _hand_off(prefill, decode, prompts)
         assert got["d0"].new_token_ids == want["s0"].new_token_ids
         assert got["d1"].new_token_ids == want["s1"].new_token_ids
-        pulled = [r for r in decode.scheduler.kv_transfer_results if r.ok]
+        pulled = [r for r in transfers(decode) if r.ok]
         assert len(pulled) == 1 and pulled[0].req_id == "d1"
         block_bytes = decode.runner.kv_bytes_per_block()
         # 28 tokens, 27 needed, 20 cached -> blocks 5 and 6 of 4 tokens
         assert pulled[0].num_bytes == 2 * block_bytes
         _drain(prefill)
-        assert not prefill.scheduler.leased  # d0's lease was released, not left to expire
+        assert not prefill.scheduler.remote_kv.leased  # d0's lease was released, not left to expire
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -173,21 +211,21 @@ def test_restarted_prefill_engine_follows_the_failure_policy(
     )
     single = _engine(model, None)
     prompt = list(range(10, 40))
-    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    want = _run(single, [_request("s", prompt, GREEDY)])["s"].new_token_ids
     try:
         pre = _run(prefill, [_prefill_request("p", prompt)])
         params = dict(
-            pre["p"].kv_transfer_params or {},
+            _params(pre["p"]),
             remote_engine_id="someone-else",
             kv_load_failure_policy=policy,
         )
-        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        got = _run(decode, [_request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
         if policy == "recompute":
             assert got.new_token_ids == want and got.finish_reason == "length"
         else:
             assert got.finish_reason == "error"
             assert "UNKNOWN_ENGINE" in (got.error or "")
-        assert decode.scheduler.kv_transfer_results[0].reason == "UNKNOWN_ENGINE"
+        assert transfers(decode)[0].reason == "UNKNOWN_ENGINE"
         _drain(decode)
         assert decode.scheduler.kv.usage() == 0.0 or policy == "recompute"
     finally:
@@ -216,7 +254,7 @@ def test_nothing_listening_recomputes_within_the_timeout(model: Path, transport:
     decode = _engine(model, "decode", load_timeout=2.0, transport=transport)
     single = _engine(model, None)
     prompt = list(range(50, 70))
-    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    want = _run(single, [_request("s", prompt, GREEDY)])["s"].new_token_ids
     params = {
         "do_remote_prefill": True,
         "remote_engine_id": "x",
@@ -229,10 +267,10 @@ def test_nothing_listening_recomputes_within_the_timeout(model: Path, transport:
     }
     try:
         start = time.monotonic()
-        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        got = _run(decode, [_request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
         assert got.new_token_ids == want
         assert time.monotonic() - start < 5
-        assert decode.scheduler.kv_transfer_results[0].reason == "CONNECT_FAILED"
+        assert transfers(decode)[0].reason == "CONNECT_FAILED"
     finally:
         decode.shutdown()
 
@@ -247,10 +285,11 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
     try:
         pre = _run(prefill, [_prefill_request("p", list(range(3, 40)))])
         decode.add_request(
-            Request("d", list(range(3, 40)), GREEDY, kv_transfer_params=pre["p"].kv_transfer_params)
+            _request("d", list(range(3, 40)), GREEDY, kv_transfer_params=_params(pre["p"]))
         )
-        decode.step()
-        assert decode.scheduler.waiting_for_kvs["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        _step(decode)
+        parked = decode.scheduler.remote_kv.waiting_for_kvs["d"]
+        assert parked.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         # it waits (vllm:num_requests_waiting shows it, as vLLM's does), it does not run
         stats = decode.scheduler.make_stats()
         assert (stats.num_waiting, stats.num_running) == (1, 0)
@@ -274,7 +313,7 @@ def test_tp2_disaggregated_equals_single_engine(
     path = tiny_model("llama") if kv_heads is None else tiny_model("llama", num_key_value_heads=1)
     prompts = _prompts()
     single = _engine(path, None)
-    want = _run(single, [Request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
+    want = _run(single, [_request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
     single.shutdown()
     prefill = _engine(path, "prefill", tp=2, transport=transport)
     try:
@@ -290,14 +329,13 @@ def test_tp2_disaggregated_equals_single_engine(
         pre, got = _hand_off(prefill, decode, prompts)
         for i in range(len(prompts)):
             assert got[f"d{i}"].new_token_ids == want[f"s{i}"].new_token_ids, i
-            params = pre[f"p{i}"].kv_transfer_params or {}
-            assert len(params["remote_ports"]) == 2
-        results = decode.scheduler.kv_transfer_results
+            assert len(_params(pre[f"p{i}"])["remote_ports"]) == 2
+        results = transfers(decode)
         assert all(r.ok for r in results), [r.error for r in results]
         assert len(results) == sum(len(p) > 1 for p in prompts)
         _drain(prefill)
         _drain(decode)
-        assert not prefill.scheduler.leased  # claimed on both ranks
+        assert not prefill.scheduler.remote_kv.leased  # claimed on both ranks
         assert prefill.scheduler.kv.usage() == 0.0
     finally:
         prefill.shutdown()
@@ -314,17 +352,17 @@ def test_unequal_tensor_parallel_sizes_are_refused(model: Path) -> None:
     decode = _engine(model, "decode")
     single = _engine(model, None)
     prompt = list(range(10, 40))
-    want = _run(single, [Request("s", prompt, GREEDY)])["s"].new_token_ids
+    want = _run(single, [_request("s", prompt, GREEDY)])["s"].new_token_ids
     try:
         pre = _run(prefill, [_prefill_request("p", prompt)])
-        params = pre["p"].kv_transfer_params or {}
-        got = _run(decode, [Request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
+        params = _params(pre["p"])
+        got = _run(decode, [_request("d", prompt, GREEDY, kv_transfer_params=params)])["d"]
         assert got.new_token_ids == want
-        (result,) = decode.scheduler.kv_transfer_results
+        (result,) = transfers(decode)
         assert result.reason == "INCOMPATIBLE_LAYOUT" and "tensor_parallel_size 2" in result.error
         with pytest.raises(ValueError, match=r"tensor_parallel_size 2.*this decode engine 1"):
-            check_kv_transfer_params(params, "decode", 1)
-        check_kv_transfer_params(params, "decode", 2)
+            KVTransferParams.parse(params).check_engine("decode", 1)
+        KVTransferParams.parse(params).check_engine("decode", 2)
         _drain(prefill)
         assert prefill.scheduler.make_stats().kv_leases_expired == 1
         assert prefill.scheduler.kv.usage() == 0.0
@@ -341,7 +379,7 @@ def test_a_dead_rank_stops_the_engine_instead_of_hanging(model: Path) -> None:
     prefill = _engine(model, "prefill", tp=2)
     try:
         _run(prefill, [_prefill_request("a", list(range(3, 30)))])
-        assert prefill.scheduler.leased  # both ranks serve the lease
+        assert prefill.scheduler.remote_kv.leased  # both ranks serve the lease
         assert isinstance(prefill.executor, MultiprocExecutor)
         os.kill(prefill.executor.worker_pids[1], signal.SIGKILL)
         start = time.monotonic()

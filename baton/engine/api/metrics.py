@@ -167,11 +167,11 @@ class EngineMetrics:
         """Called for every message of the engine core: each carries one step's token count."""
         if stats.step_tokens > 0:
             self.iteration_tokens.observe(stats.step_tokens)
-        for num_bytes, seconds, reason in stats.kv_transfers:
-            self.kv_transfer_bytes.inc(num_bytes)
-            self.kv_transfer_seconds.observe(seconds)
-            if reason:
-                self._kv_failures.labels(*self._labels, reason).inc()
+        for result in stats.kv_transfers:
+            self.kv_transfer_bytes.inc(result.num_bytes)
+            self.kv_transfer_seconds.observe(result.seconds)
+            if result.reason:
+                self._kv_failures.labels(*self._labels, result.reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,7 @@ from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
 from baton.engine.tokenizer import apply_chat_template
-from baton.kv_transfer.base import check_kv_transfer_params
+from baton.kv_transfer.params import KVTransferParams
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
@@ -120,18 +120,24 @@ class EngineServer:
             "tensor_parallel_size": self.tensor_parallel_size,
         }
 
-    def _check_kv_transfer(self, params: dict[str, Any] | None, num_prompts: int, n: int) -> None:
+    def _kv_transfer_params(
+        self, params: dict[str, Any] | None, num_prompts: int, n: int
+    ) -> KVTransferParams | None:
+        """The request's `kv_transfer_params`, parsed (the one place they are), or a 400."""
         try:
-            check_kv_transfer_params(params, self.kv_role, self.tensor_parallel_size)
+            parsed = KVTransferParams.parse(params)
+            if parsed is not None:
+                parsed.check_engine(self.kv_role, self.tensor_parallel_size)
         except ValueError as e:
             raise p.APIError(400, str(e), "kv_transfer_params") from None
-        handing_off = params and (params.get("do_remote_decode") or params.get("do_remote_prefill"))
+        handing_off = parsed is not None and (parsed.do_remote_decode or parsed.do_remote_prefill)
         if handing_off and (num_prompts > 1 or n > 1):
             raise p.APIError(
                 400,
                 "kv_transfer_params hand off one prompt's KV: use one prompt and n=1",
                 "kv_transfer_params",
             )
+        return parsed
 
     # -- prompts --
 
@@ -147,7 +153,7 @@ class EngineServer:
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         try:
-            check_prompt_token_ids(ids, self.llm.max_model_len, self.llm.model_config.vocab_size)
+            check_prompt_token_ids(ids, self.llm.max_model_len, self.llm.vocab_size)
         except ValueError as e:
             raise p.APIError(400, str(e), param) from None
 
@@ -179,7 +185,7 @@ class EngineServer:
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = str(self.tokenizer.decode(ids))
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
-        self._check_kv_transfer(req.kv_transfer_params, len(inputs), req.n)
+        kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit(req.model)
         streams = [
             PromptStream(
@@ -189,7 +195,7 @@ class EngineServer:
                 prompt,
                 params,
                 req.priority,
-                req.kv_transfer_params,
+                kv_params,
             )
             for i, (prompt, params) in enumerate(inputs)
         ]
@@ -263,7 +269,7 @@ class EngineServer:
         )
         self._check_prompt(ids, "messages")
         params = req.to_sampling_params(max_tokens)
-        self._check_kv_transfer(req.kv_transfer_params, 1, req.n)
+        kv_params = self._kv_transfer_params(req.kv_transfer_params, 1, req.n)
         release = self._admit(req.model)
         streams = [
             PromptStream(
@@ -273,7 +279,7 @@ class EngineServer:
                 (None, ids),
                 params,
                 req.priority,
-                req.kv_transfer_params,
+                kv_params,
             )
         ]
         response_id, created = f"chatcmpl-{rid}", int(time.time())
@@ -397,7 +403,7 @@ class EngineServer:
 
     def detokenize(self, req: p.DetokenizeRequest) -> r.DetokenizeResponse:
         self._check_model(req.model)
-        vocab = self.llm.model_config.vocab_size
+        vocab = self.llm.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise p.APIError(400, f"token ids outside [0, {vocab}): {bad[:5]}", "tokens")

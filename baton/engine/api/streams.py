@@ -19,6 +19,7 @@ from baton.engine.api.metrics import EngineMetrics, RequestTimer
 from baton.engine.async_llm import AsyncLLM, EngineDeadError
 from baton.engine.outputs import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.kv_transfer.params import KVTransferParams
 
 
 class PromptStream:
@@ -32,7 +33,7 @@ class PromptStream:
         prompt: tuple[str | None, list[int]],
         params: SamplingParams,
         priority: int,
-        kv_transfer_params: dict[str, Any] | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         text, ids = prompt
         gen = llm.generate(

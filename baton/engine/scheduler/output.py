@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from baton.engine.protocol import LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
 
 
@@ -51,37 +51,8 @@ class SchedulerOutput:
 
 
 @dataclass
-class LogprobsEntry:
-    """Logprobs of one sampled position: the sampled token first, then the top ones."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int  # 1 = the most likely token
-
-
-@dataclass
 class ModelRunnerOutput:
     """What one step produced. Requests mid-prompt (a partial chunk) sample nothing."""
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What the engine core reports to its client for one request after one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobsEntry] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
-    # On the last output of a prefill request whose KV is leased to a decode engine.
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None  # with finish_reason "error": the message for the client
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

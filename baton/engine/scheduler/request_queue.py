@@ -8,9 +8,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
+from baton.engine.config import SCHEDULING_POLICIES
 from baton.engine.request import Request
-
-POLICIES = ("fcfs", "priority")
 
 
 class RequestQueue(Protocol):
@@ -101,4 +100,4 @@ def make_queue(policy: str) -> RequestQueue:
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
+    raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")

@@ -5,22 +5,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from baton.engine.config import SCHEDULING_POLICIES
 from baton.engine.kv_cache.block_pool import KVCacheBlock
 from baton.engine.kv_cache.manager import KVCacheConfig, KVCacheManager
+from baton.engine.protocol import EngineCoreOutput, EngineStats
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import (
     CachedRequestData,
-    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from baton.engine.scheduler.remote_kv import RemoteKVMixin
-from baton.engine.scheduler.request_queue import POLICIES, make_queue
-from baton.kv_transfer.base import TransferResult
-from baton.kv_transfer.connector import PullConnector
+from baton.engine.scheduler.remote_kv import RemoteKV
+from baton.engine.scheduler.request_queue import make_queue
+from baton.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
@@ -36,35 +36,23 @@ class SchedulerConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0  # cumulative
-    prefix_cache_queries: int = 0  # cumulative, tokens
-    prefix_cache_hits: int = 0  # cumulative, tokens
-    step_tokens: list[int] = field(default_factory=list)
-    kv_blocks_leased: int = 0
-    kv_leases_expired: int = 0  # cumulative
-
-
-class Scheduler(RemoteKVMixin):
+class Scheduler:
     """Decides, each step, which requests compute how many tokens, within the KV memory there is."""
 
     def __init__(
         self,
         config: SchedulerConfig,
         kv_cache_config: KVCacheConfig,
-        connector: PullConnector | None = None,
+        connector: KVConnectorBase | None = None,
     ) -> None:
         self.config = config
-        self.connector = connector
         self.kv = KVCacheManager(kv_cache_config)
+        # Disaggregated serving (a KV connector): parked pulls and leased blocks.
+        self.remote_kv = RemoteKV(connector, self.kv) if connector is not None else None
         self.block_size = kv_cache_config.block_size
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
@@ -75,14 +63,6 @@ class Scheduler(RemoteKVMixin):
         # siblings wait a step so that they find the prompt blocks cached instead of recomputing.
         self._group_leaders: dict[str, Request] = {}
         self.num_preemptions = 0
-        # KV connector state. Requests whose prompt KV is being pulled (not in `waiting`);
-        # finished prefill requests whose blocks are leased to a decode engine (not in
-        # `requests`); aborted pulls whose blocks the loader may still be writing.
-        self.waiting_for_kvs: dict[str, Request] = {}
-        self.leased: dict[str, Request] = {}
-        self._free_after_load: dict[str, Request] = {}
-        self.kv_transfer_results: list[TransferResult] = []  # drained by the engine's stats
-        self.num_leases_expired = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -111,17 +91,15 @@ class Scheduler(RemoteKVMixin):
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # The loader may still be writing into its blocks: free them once it reports.
-                del self.waiting_for_kvs[req_id]
-                self._free_after_load[req_id] = request
+                assert self.remote_kv is not None
+                self.remote_kv.abort(request)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        req_id = request.request_id
-        if req_id not in self.leased and req_id not in self._free_after_load:
+        if self.remote_kv is None or not self.remote_kv.holds_blocks(request.request_id):
             self.kv.free(request)
         if self._group_leaders.get(request.group_id or "") is request:
             del self._group_leaders[request.group_id or ""]
@@ -129,10 +107,13 @@ class Scheduler(RemoteKVMixin):
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kvs)
+        return bool(self.running) or len(self.waiting) > 0 or self._num_waiting_for_kvs() > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.waiting_for_kvs)
+        return len(self.running) + len(self.waiting) + self._num_waiting_for_kvs()
+
+    def _num_waiting_for_kvs(self) -> int:
+        return len(self.remote_kv.waiting_for_kvs) if self.remote_kv is not None else 0
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -244,11 +225,12 @@ class Scheduler(RemoteKVMixin):
             num_hit = 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
-                if self.connector is not None and not request.kv_load_tried:
-                    parked = self._start_remote_load(request, hits, num_hit)
+                if self.remote_kv is not None and not request.kv_load_tried:
+                    parked = self.remote_kv.start_load(request, hits, num_hit)
                     if parked is None:
                         break  # no room for its blocks yet
                     if parked:
+                        self.waiting.pop()
                         continue
             num_new = self._num_new_tokens(request, budget, num_hit)
             # allocate_slots counts the hits on top of num_computed_tokens, so that only advances
@@ -341,12 +323,8 @@ class Scheduler(RemoteKVMixin):
             request.append_output_token(token)
             self._check_stop(request, token)
             kv_params = None
-            if request.is_finished() and self.connector is not None:
-                kv_params = self.connector.request_finished(
-                    request, self.kv.block_ids(request.request_id)
-                )
-                if kv_params is not None:
-                    self.leased[req_id] = request
+            if request.is_finished() and self.remote_kv is not None:
+                kv_params = self.remote_kv.request_finished(request)
             logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -392,21 +370,45 @@ class Scheduler(RemoteKVMixin):
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = token
 
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """The KV connector's instructions for its worker half since the last call."""
+        if self.remote_kv is None:
+            return KVConnectorMetadata()
+        return self.remote_kv.connector.build_connector_meta()
+
+    def update_from_kv_output(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Applies what the connector's worker half reports: pulled requests resume at the
+        front of `waiting`, failed ones end with an error, ended leases free their blocks."""
+        if self.remote_kv is None:
+            return []
+        update = self.remote_kv.update(output)
+        for request in reversed(update.resume):
+            self.waiting.prepend(request)
+        outputs = []
+        for request in update.failed:
+            outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="error", error=request.error)
+            )
+            self._free_request(request)
+        return outputs
+
     # ---- observability -------------------------------------------------------------------
 
-    def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def make_stats(self, step_tokens: int = 0) -> EngineStats:
+        """The engine's state now, with the KV pulls that ended since the last call."""
+        remote = self.remote_kv
+        return EngineStats(
             num_running=len(self.running),
             # Requests waiting for their remote KV wait too (vLLM counts them the same way).
-            num_waiting=len(self.waiting) + len(self.waiting_for_kvs),
+            num_waiting=len(self.waiting) + self._num_waiting_for_kvs(),
             kv_cache_usage=self.kv.usage(),
-            num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
-            kv_blocks_leased=(
-                sum(self.connector.num_leased_blocks.values()) if self.connector else 0
-            ),
-            kv_leases_expired=self.num_leases_expired,
+            num_preemptions=self.num_preemptions,
+            step_tokens=step_tokens,
+            kv_transfers=remote.take_transfer_results() if remote is not None else [],
+            kv_blocks_leased=remote.num_leased_blocks if remote is not None else 0,
+            kv_leases_expired=remote.num_leases_expired if remote is not None else 0,
         )
 
     def reset_prefix_cache(self) -> bool:

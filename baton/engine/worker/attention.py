@@ -13,9 +13,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from baton.engine.config import ATTENTION_BACKENDS
 from baton.engine.ops import cpu_paged_attention
-
-ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass

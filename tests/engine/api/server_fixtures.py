@@ -48,7 +48,7 @@ def engine_core_pid(server_pid: int) -> int:
     """The EngineCore process of the server `server_pid`."""
     for pid in _children(server_pid):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:  # not multiprocessing's resource tracker
+        if b"baton.engine.core_proc" in cmdline:
             return pid
     raise AssertionError(f"no EngineCore child of {server_pid}")
 

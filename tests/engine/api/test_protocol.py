@@ -8,7 +8,6 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -20,9 +19,8 @@ from baton.engine.config import EngineArgs
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
-from baton.engine.protocol import EngineStats
+from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler.output import EngineCoreOutput, LogprobsEntry
 
 SCRIPT = "hello world, the baton passes on. "  # what the fake model writes, over and over
 
@@ -172,7 +170,7 @@ class FakeLLM:
 
     def __init__(self) -> None:
         self.tokenizer = CharTokenizer()
-        self.model_config = SimpleNamespace(vocab_size=512, eos_token_ids=())
+        self.vocab_size = 512
         self.model_path = Path("/models/fake-model")
         self.max_model_len = 64
         self.args = EngineArgs()

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from baton.engine.kv_cache.manager import KVCacheConfig
+from baton.engine.protocol import EngineCoreOutput
 from baton.engine.request import Request
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.scheduler.output import (
-    EngineCoreOutput,
-    ModelRunnerOutput,
-    SchedulerOutput,
-)
+from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from baton.kv_transfer.base import KVConnectorBase
+from baton.kv_transfer.params import KVTransferParams
 
 EOS = 0
 TOKEN = 5  # what the fake model samples unless told otherwise
@@ -25,10 +24,12 @@ def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
     caching: bool = True,
+    connector: KVConnectorBase | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_model_len, max_num_seqs, max_num_batched_tokens, policy),
         KVCacheConfig(num_blocks, block_size, caching),
+        connector,
     )
 
 
@@ -41,6 +42,7 @@ def make_request(
     priority: int = 0,
     arrival: float = 0.0,
     group_id: str | None = None,
+    kv_transfer_params: KVTransferParams | None = None,
     **params: object,
 ) -> Request:
     tokens = prompt if prompt is not None else [100 + i for i in range(num_prompt)]
@@ -52,6 +54,7 @@ def make_request(
         arrival_time=arrival,
         priority=priority,
         group_id=group_id,
+        kv_transfer_params=kv_transfer_params,
     )
 
 
