@@ -9,7 +9,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from baton.router.discovery import Endpoint, Role
+from baton.roles import Role
+from baton.router.discovery import Endpoint
 
 # Who may answer which step: a decode step goes to decode engines or aggregated ones.
 DECODE_ROLES: tuple[Role, ...] = ("decode", "both")

@@ -21,8 +21,9 @@ import aiohttp
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from baton.roles import Role
 from baton.router.config import RouterConfig
-from baton.router.discovery import Discovery, Endpoint, Role
+from baton.router.discovery import Discovery, Endpoint
 from baton.router.engines import AGGREGATED_ROLES, ALL_ROLES, EngineSet, EngineState
 from baton.router.errors import RouterError
 from baton.router.handoff import Handoff
