@@ -32,6 +32,7 @@ lint: install
 	$(VENV)/bin/ruff check baton tests bench
 	$(VENV)/bin/ruff format --check baton tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) bench/scheduler.py
