@@ -244,9 +244,6 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.call_utility("reset_prefix_cache"))
 
-    def num_unfinished(self) -> int:
-        return len(self._streams)
-
     # ---- outputs -------------------------------------------------------------------------
 
     async def _output_loop(self) -> None:

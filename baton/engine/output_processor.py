@@ -64,9 +64,6 @@ class OutputProcessor:
             self._child_to_parent[child_id] = parent
         self._parents[request_id] = parent
 
-    def has_unfinished(self) -> bool:
-        return bool(self._parents)
-
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

@@ -54,7 +54,6 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
     dtype: torch.dtype
     sliding_window: int | None
 
@@ -111,7 +110,6 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
             dtype=parse_dtype(str(dtype_name)),
             sliding_window=sliding,
         )
