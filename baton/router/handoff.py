@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
+from baton.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
 from baton.router.engines import DECODE_ROLES, PREFILL_ROLES
 from baton.router.errors import RouterError
 from baton.router.metrics import DisaggOutcome
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 def prefill_body(route: str, body: dict[str, Any]) -> dict[str, Any]:
     """Step 1's request: the original, computing the prompt and one token, kept for a reader."""
     out = dict(body)
-    out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={"do_remote_decode": True})
+    out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={DO_REMOTE_DECODE: True})
     if route == "/v1/chat/completions":
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
@@ -52,7 +53,7 @@ def prefill_body(route: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """Step 2's request: the original, reading its prompt's KV blocks from the prefill engine."""
-    return {**body, "kv_transfer_params": {**params, "do_remote_prefill": True}}
+    return {**body, "kv_transfer_params": {**params, DO_REMOTE_PREFILL: True}}
 
 
 class Handoff:
