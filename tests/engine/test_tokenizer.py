@@ -207,7 +207,6 @@ def test_chat_template_json_is_read(tiny_model, tmp_path: Path) -> None:
     assert load_tokenizer(folder).apply_chat_template(CONVERSATIONS[0], tokenize=False) == (
         "JWhat is a baton?"
     )
-    assert Tokenizer(load_tokenizer(folder).backend).chat_template is None
 
 
 def test_add_bos_token_without_a_post_processor(tiny_model, tmp_path: Path) -> None:
