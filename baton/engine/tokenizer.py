@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -18,6 +19,8 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, models, processors
 from tokenizers import Tokenizer as Backend
+
+logger = logging.getLogger(__name__)
 
 ChatTemplate = str | dict[str, str]  # one template, or several by name ("default", "tool_use")
 
@@ -35,13 +38,10 @@ class Tokenizer:
         *,
         special_tokens: Mapping[str, str] | None = None,
         chat_template: ChatTemplate | None = None,
-        clean_up_tokenization_spaces: bool = False,
     ) -> None:
         self.backend = backend
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
-        # transformers skips the clean-up for BPE models, where it would eat real spaces.
-        self._clean_up = clean_up_tokenization_spaces and not isinstance(backend.model, models.BPE)
         # A named special token the tokenizer.json lacks is added as a special token (as
         # transformers does), so it is one token in prompts and skipped by skip_special_tokens.
         added = {t.content for t in backend.get_added_tokens_decoder().values()}
@@ -63,8 +63,7 @@ class Tokenizer:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        text = str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
-        return _clean_up_spaces(text) if self._clean_up else text
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         tokens = []
@@ -171,8 +170,11 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         backend,
         special_tokens=special,
         chat_template=_read_chat_template(path, config),
-        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
     )
+    if config.get("clean_up_tokenization_spaces") and not isinstance(backend.model, models.BPE):
+        # transformers would drop WordPiece-style spaces before punctuation here (it skips BPE
+        # models); a decode stream cannot, and decoded and streamed text must agree (as vLLM).
+        logger.warning("%s: clean_up_tokenization_spaces is not applied", path)
     # The tokenizer.json's post-processor is the model's own; only without one do the config's
     # add_bos_token / add_eos_token say which special tokens frame an encoded text.
     bos = special.get("bos_token") if config.get("add_bos_token") else None
@@ -209,27 +211,6 @@ def _read_chat_template(path: Path, config: dict[str, Any]) -> ChatTemplate | No
     if isinstance(found, list):  # the config's form of several named templates
         return {t["name"]: t["template"] for t in found}
     return found if isinstance(found, (str, dict)) else None
-
-
-def _clean_up_spaces(text: str) -> str:
-    """transformers' `clean_up_tokenization`: WordPiece's spaces before punctuation removed."""
-    for spaced, tight in _CLEAN_UP:
-        text = text.replace(spaced, tight)
-    return text
-
-
-_CLEAN_UP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
 
 
 class _GenerationTag(Extension):
