@@ -19,7 +19,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.engine.detokenizer import IncrementalDetokenizer
+from baton.engine.models.tiny import default_model_path
 from baton.engine.tokenizer import load_tokenizer
 
 LENGTHS = (64, 512, 2048)
@@ -118,16 +118,13 @@ def _time_per_token(run: Callable[[], str], num_tokens: int, budget_s: float) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", help="a model folder (default: Baton's small tiny model)")
+    parser.add_argument(
+        "--tokenizer", help="a model folder (default: the cached llama-small benchmark model)"
+    )
     parser.add_argument("--budget-s", type=float, default=0.4, help="time per measurement")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    if args.tokenizer:
-        folder = Path(args.tokenizer)
-    else:
-        from baton.engine.models.tiny import write_tiny_model
-
-        folder = write_tiny_model(Path(tempfile.mkdtemp(prefix="baton-detok-")), "llama", "small")
+    folder = Path(args.tokenizer) if args.tokenizer else default_model_path()
     from transformers import AutoTokenizer  # the baseline's tokenizer only
 
     tok = load_tokenizer(folder)
