@@ -33,7 +33,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineStats
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import load_tokenizer
+from baton.engine.tokenizer import Tokenizer, load_tokenizer
 from baton.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class AsyncLLM:
     # Set by start(), which is the only way to make one.
     args: EngineArgs
     model_path: Path
-    tokenizer: Any
+    tokenizer: Tokenizer
     output_processor: OutputProcessor
     max_model_len: int
     vocab_size: int

@@ -14,7 +14,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineCoreRequest
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import apply_chat_template, load_tokenizer
+from baton.engine.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -33,7 +33,7 @@ class LLM:
         """Stops the engine's worker processes, if it has any (also done when collected)."""
         self.engine.shutdown()
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
     def generate(
@@ -86,8 +86,8 @@ class LLM:
         )
         prompts: list[PromptType] = [
             {
-                "prompt_token_ids": apply_chat_template(
-                    self.tokenizer, conv, add_generation_prompt, chat_template
+                "prompt_token_ids": self.tokenizer.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
                 )
             }
             for conv in conversations
@@ -96,7 +96,7 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
+            ids = self.tokenizer.encode(prompt)
             text: str | None = prompt
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = [int(t) for t in prompt["prompt_token_ids"]]

@@ -10,6 +10,7 @@ from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from baton.engine.protocol import EngineCoreOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import Tokenizer
 
 
 @dataclass
@@ -39,7 +40,7 @@ class _Parent:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, _Parent] = {}
@@ -55,7 +56,11 @@ class OutputProcessor:
         parent = _Parent(request_id, prompt, prompt_token_ids)
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
-                self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens
+                self.tokenizer,
+                params.stop,
+                params.skip_special_tokens,
+                params.min_tokens,
+                prompt_token_ids,
             )
             want_logprobs = params.logprobs is not None
             parent.samples[child_id] = _Sample(

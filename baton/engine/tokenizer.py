@@ -1,38 +1,267 @@
-"""Loads a model folder's tokenizer and renders chat prompts through its template."""
+"""A model folder's tokenizer on the `tokenizers` library alone, with its chat template rendered
+as transformers renders it. Neither transformers nor torch is imported, so the API server process
+that tokenizes prompts stays a light front end."""
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, models, processors
+from tokenizers import Tokenizer as Backend
+
+logger = logging.getLogger(__name__)
+
+ChatTemplate = str | dict[str, str]  # one template, or several by name ("default", "tool_use")
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """A `transformers` fast tokenizer from `tokenizer.json` (+ `tokenizer_config.json`)."""
+class Tokenizer:
+    """Encodes, decodes and renders chat prompts; the defaults follow transformers' tokenizers.
+
+    `backend` is the `tokenizers.Tokenizer` itself (the detokenizer streams through it);
+    `special_tokens` maps names such as `bos_token` to their text, as the template sees them.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
+        self.backend = backend
+        self.special_tokens = dict(special_tokens or {})
+        self.chat_template = chat_template
+        # A named special token the tokenizer.json lacks is added as a special token (as
+        # transformers does), so it is one token in prompts and skipped by skip_special_tokens.
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [t for t in self.special_tokens.values() if t not in added]
+        if missing:
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing]
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary's size, without added tokens (transformers' `vocab_size`)."""
+        return int(self.backend.get_vocab_size(with_added_tokens=False))
+
+    def __len__(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        tokens = []
+        for i in ids:
+            token = self.backend.id_to_token(i)
+            if token is None:
+                raise ValueError(f"token id {i} is not in the vocabulary")
+            tokens.append(token)
+        return tokens
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tokenize: Literal[True] = ...,
+        add_generation_prompt: bool = ...,
+        chat_template: str | None = ...,
+        tools: list[dict[str, Any]] | None = ...,
+        documents: list[dict[str, Any]] | None = ...,
+        **kwargs: Any,
+    ) -> list[int]: ...
+
+    @overload
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tokenize: Literal[False],
+        add_generation_prompt: bool = ...,
+        chat_template: str | None = ...,
+        tools: list[dict[str, Any]] | None = ...,
+        documents: list[dict[str, Any]] | None = ...,
+        **kwargs: Any,
+    ) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int] | str:
+        """A conversation rendered by the chat template: its token ids, or the text.
+
+        `chat_template` is a template, or a name among the model's templates; `kwargs` reach the
+        template beside the special tokens (they win on a clash). The text's ids carry no extra
+        special tokens: the template writes those it wants.
+        """
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        template = _compile(self._pick_template(chat_template, tools))
+        # As in transformers: a None field is left out (templates test for missing keys, and
+        # would render "None"), and tools and documents are always defined, None when absent.
+        text = template.render(
+            messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **kwargs},
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _pick_template(self, chat_template: str | None, tools: list[Any] | None) -> str:
+        named = self.chat_template if isinstance(self.chat_template, dict) else {}
+        if chat_template is not None:
+            return named.get(chat_template, chat_template)
+        if isinstance(self.chat_template, str):
+            return self.chat_template
+        if tools is not None and "tool_use" in named:
+            return named["tool_use"]
+        if "default" in named:
+            return named["default"]
+        if named:
+            raise ValueError(
+                f"the model has several chat templates and none named default: {sorted(named)}"
+            )
+        raise ValueError("the model's tokenizer has no chat template")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face model folder: `tokenizer.json`, `tokenizer_config.json`
+    (special tokens, `add_bos_token`, ...) and the chat template (`chat_template.jinja` and
+    `additional_chat_templates/`, else `chat_template.json`, else the tokenizer config's)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no tokenizer.json")
-    from transformers import AutoTokenizer  # heavy import: only when a tokenizer is needed
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def apply_chat_template(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    chat_template: str | None = None,
-) -> list[int]:
-    """Token ids of a conversation rendered by the tokenizer's chat template."""
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and "role" in m for m in messages
-    ):
-        raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model's tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-        tokenize=False,
+    backend = Backend.from_file(str(path / "tokenizer.json"))
+    config = _read_json(path / "tokenizer_config.json")
+    special: dict[str, str] = {}
+    # Every `*_token` entry is a named special token (transformers 5 passes model-specific ones
+    # such as `image_token` to the template too); the config wins over the legacy map.
+    for key, value in {**_read_json(path / "special_tokens_map.json"), **config}.items():
+        text = value.get("content") if isinstance(value, dict) else value
+        if key.endswith("_token") and isinstance(text, str):
+            special[key] = text
+    tokenizer = Tokenizer(
+        backend,
+        special_tokens=special,
+        chat_template=_read_chat_template(path, config),
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    if config.get("clean_up_tokenization_spaces") and not isinstance(backend.model, models.BPE):
+        # transformers would drop WordPiece-style spaces before punctuation here (it skips BPE
+        # models); a decode stream cannot, and decoded and streamed text must agree (as vLLM).
+        logger.warning("%s: clean_up_tokenization_spaces is not applied", path)
+    # The tokenizer.json's post-processor is the model's own; only without one do the config's
+    # add_bos_token / add_eos_token say which special tokens frame an encoded text.
+    bos = special.get("bos_token") if config.get("add_bos_token") else None
+    eos = special.get("eos_token") if config.get("add_eos_token") else None
+    if backend.post_processor is None and (bos or eos):
+        edges = [t for t in (bos, eos) if t]
+        backend.post_processor = processors.TemplateProcessing(
+            single=([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else []),
+            special_tokens=[(t, backend.token_to_id(t)) for t in edges],
+        )
+    return tokenizer
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return data
+
+
+def _read_chat_template(path: Path, config: dict[str, Any]) -> ChatTemplate | None:
+    templates = {}
+    if (path / "chat_template.jinja").is_file():
+        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    for file in sorted((path / "additional_chat_templates").glob("*.jinja")):
+        templates[file.stem] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    found = _read_json(path / "chat_template.json").get("chat_template") or config.get(
+        "chat_template"
+    )
+    if isinstance(found, list):  # the config's form of several named templates
+        return {t["name"]: t["template"] for t in found}
+    return found if isinstance(found, (str, dict)) else None
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; a
+    prompt renders the body unchanged."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja reads the base class's set attribute)
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters and sorts keys: wrong for a prompt.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+    # A function rather than the `dict` type, which the template could otherwise inspect.
+    return dict(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    """A chat template compiled in a sandbox (templates come from model folders and requests)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _dict
+    return env.from_string(template)

@@ -21,7 +21,6 @@ from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, col
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
-from baton.engine.tokenizer import apply_chat_template
 from baton.kv_transfer.params import KVTransferParams
 
 
@@ -67,7 +66,7 @@ class EngineServer:
         self._idle.set()
 
     def decode_token(self, token: int) -> str:
-        return str(self.tokenizer.decode([token]))
+        return self.tokenizer.decode([token])
 
     # -- admission and the drain --
 
@@ -146,9 +145,7 @@ class EngineServer:
     ) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids."""
         if isinstance(prompt, str):
-            return prompt, list(
-                self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            )
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return None, prompt
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
@@ -161,8 +158,10 @@ class EngineServer:
         self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
     ) -> list[int]:
         try:
-            return apply_chat_template(
-                self.tokenizer, [m.to_template() for m in messages], add_generation_prompt, template
+            return self.tokenizer.apply_chat_template(
+                [m.to_template() for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
             )
         except ValueError as e:
             raise p.APIError(400, str(e), "messages") from None
@@ -183,7 +182,7 @@ class EngineServer:
             )
             self._check_prompt(ids, "prompt")
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
-                text = str(self.tokenizer.decode(ids))
+                text = self.tokenizer.decode(ids)
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
         kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit(req.model)
@@ -395,8 +394,8 @@ class EngineServer:
             ids = self._chat_prompt(req.messages, req.add_generation_prompt, None)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(self.tokenizer.encode(req.prompt or "", add_special_tokens=add_special))
-        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if req.return_token_strs else None
+            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=add_special)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return r.TokenizeResponse(
             count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs
         )
@@ -407,7 +406,7 @@ class EngineServer:
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise p.APIError(400, f"token ids outside [0, {vocab}): {bad[:5]}", "tokens")
-        return r.DetokenizeResponse(prompt=str(self.tokenizer.decode(req.tokens)))
+        return r.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -12,6 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
 
 from baton.engine.api import protocol as p
 from baton.engine.api.server import ServerConfig, build_app
@@ -21,6 +23,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.tokenizer import Tokenizer
 
 SCRIPT = "hello world, the baton passes on. "  # what the fake model writes, over and over
 
@@ -140,36 +143,27 @@ def test_error_body_is_openai_shaped() -> None:
 # ---- the app over a fake engine ------------------------------------------------------------
 
 
-class CharTokenizer:
-    """One token per character; token id = code point."""
+# What the fake chat template writes: "<role>content" per message, then "<assistant>".
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
-    chat_template = "fake"
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [chr(i) for i in ids]
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        chat_template: Any,
-        add_generation_prompt: bool,
-        tokenize: bool,
-    ) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+def char_tokenizer() -> Tokenizer:
+    """One token per character; token id = code point (a real `Tokenizer`, so detokenization
+    streams as in the server)."""
+    backend = Backend(models.WordLevel({chr(i): i for i in range(512)}, unk_token=chr(0)))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")
+    backend.decoder = decoders.Fuse()
+    return Tokenizer(backend, chat_template=CHAR_CHAT_TEMPLATE)
 
 
 class FakeLLM:
     """Writes SCRIPT, one character per step, through the real OutputProcessor."""
 
     def __init__(self) -> None:
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = char_tokenizer()
         self.vocab_size = 512
         self.model_path = Path("/models/fake-model")
         self.max_model_len = 64
