@@ -84,7 +84,8 @@ def test_importing_the_router_loads_neither_torch_nor_the_engine() -> None:
 
 
 def test_baton_router_command_serves_and_stops(cluster: FakeCluster, tmp_path: Path) -> None:
-    """`baton router --engine URL` in its own process routes a request, then exits 0 on SIGTERM."""
+    """`baton router --engine URL` in its own process routes a request without loading torch,
+    then exits 0 on SIGTERM."""
     _, engine = cluster.add()
     port = free_port()
     log = tmp_path / "router.log"
@@ -108,6 +109,8 @@ def test_baton_router_command_serves_and_stops(cluster: FakeCluster, tmp_path: P
         body = {"model": "fake", "prompt": "x", "max_tokens": 3}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json()
         assert answer["choices"][0]["text"].count(" t") == 3
+        # The router never loads torch (checked on the running process, after a request).
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
         proc.terminate()
         assert proc.wait(15) == 0
     finally:
