@@ -37,13 +37,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill
+from baton.kv_transfer.base import KVTransferConfig, LoadSpec
 from baton.kv_transfer.checksum import block_bytes, block_checksum
-from baton.kv_transfer.tcp import KVBlockServer
-from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks
+from baton.kv_transfer.nixl.channel import paired_runs
+from baton.kv_transfer.params import RemotePrefill
+from baton.kv_transfer.sockets import KVConnectionPool
+from baton.kv_transfer.tcp.reader import read_blocks
+from baton.kv_transfer.tcp.server import KVBlockServer
 
 try:
-    from baton.kv_transfer.nixl import NixlTransport, paired_runs
+    from baton.kv_transfer.nixl.transport import NixlTransport
 except ImportError as exc:  # the NIXL table is left out
     NixlTransport = None  # type: ignore[assignment,misc]
     NIXL_MISSING = str(exc)

@@ -44,12 +44,12 @@ def make_transport(config: KVTransferConfig) -> KVTransport:
     package cannot be imported."""
     if config.transport == "nixl":
         try:
-            from baton.kv_transfer.nixl import NixlTransport
+            from baton.kv_transfer.nixl.transport import NixlTransport
 
             return NixlTransport(config)
         except ImportError as exc:
             logger.warning("NIXL is not available (%s); using the TCP transport", exc)
-    from baton.kv_transfer.tcp_transport import TCPTransport
+    from baton.kv_transfer.tcp.transport import TCPTransport
 
     return TCPTransport(config)
 

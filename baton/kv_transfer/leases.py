@@ -41,6 +41,14 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 6  # malformed request
 
 
+def status_name(status: int) -> str:
+    """The name a reader reports for a status code, including one this version does not know."""
+    try:
+        return Status(status).name
+    except ValueError:
+        return f"STATUS_{status}"
+
+
 @dataclass(frozen=True)
 class _Lease:
     block_ids: frozenset[int]

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from baton.kv_transfer.tcp import KVBlockServer
+from baton.kv_transfer.tcp.server import KVBlockServer
 from tests.kv_transfer.helpers import ENGINE, make_cache
 
 

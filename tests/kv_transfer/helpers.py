@@ -10,12 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from baton.kv_transfer.tcp import (
-    _REQUEST,
-    KVBlockServer,
-    ReadResult,
-)
-from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks
+from baton.kv_transfer.base import TransferResult
+from baton.kv_transfer.sockets import KVConnectionPool
+from baton.kv_transfer.tcp.reader import read_blocks
+from baton.kv_transfer.tcp.server import KVBlockServer
+from baton.kv_transfer.tcp.wire import REQUEST
 
 # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 SHAPE = (12, 2, 2, 4, 2, 8)
@@ -50,7 +49,7 @@ def read(
     engine: str = ENGINE,
     seconds: float = 5.0,
     pool: KVConnectionPool | None = None,
-) -> ReadResult:
+) -> TransferResult:
     return read_blocks(
         "127.0.0.1",
         srv.port,
@@ -83,8 +82,8 @@ def fake_server(behave: Callable[[socket.socket, list[int]], None]) -> tuple[int
         with listener:
             conn, _ = listener.accept()
             with conn:
-                head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
-                _, elen, rlen, n, _ = _REQUEST.unpack(head)
+                head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+                _, elen, rlen, n, _ = REQUEST.unpack(head)
                 body = conn.recv(elen + rlen + 4 * n, socket.MSG_WAITALL)
                 behave(conn, list(struct.unpack_from(f"!{n}I", body, elen + rlen)))
 

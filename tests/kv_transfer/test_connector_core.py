@@ -120,7 +120,7 @@ def transport(request: pytest.FixtureRequest) -> str:
     """The KV transport of the disaggregated engines; nixl runs where a NIXL package imports."""
     if request.param == "nixl":
         try:
-            importlib.import_module("baton.kv_transfer.nixl")
+            importlib.import_module("baton.kv_transfer.nixl.transport")
         except ImportError as exc:
             pytest.skip(f"NIXL is not available: {exc}")
     return str(request.param)

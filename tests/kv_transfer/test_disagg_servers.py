@@ -72,7 +72,7 @@ def pair(
         yield "tcp", stack[1], stack[2]
         return
     pytest.importorskip(
-        "baton.kv_transfer.nixl", reason="NIXL is not installed", exc_type=ImportError
+        "baton.kv_transfer.nixl.transport", reason="NIXL is not installed", exc_type=ImportError
     )
     tmp = tmp_path_factory.mktemp("nixl")
     flags = [("--role", "prefill"), ("--role", "decode", "--kv-load-timeout", "3")]
@@ -249,7 +249,7 @@ class _BadPeer:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        from baton.kv_transfer.tcp import _REPLY, _REPLY_MAGIC, _REQUEST
+        from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, REQUEST
 
         with contextlib.suppress(OSError):
             while True:
@@ -257,11 +257,11 @@ class _BadPeer:
                 self.conns.append(conn)
                 if self.mode == "stall":
                     continue
-                head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
-                _, elen, rlen, nblocks, bpb = _REQUEST.unpack(head)
+                head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+                _, elen, rlen, nblocks, bpb = REQUEST.unpack(head)
                 conn.recv(elen + rlen + 4 * nblocks, socket.MSG_WAITALL)
                 total = nblocks * bpb
-                conn.sendall(_REPLY.pack(_REPLY_MAGIC, 0, bpb, total, 12345))
+                conn.sendall(REPLY.pack(REPLY_MAGIC, 0, bpb, total, 12345))
                 payload = bytes(total if self.mode == "corrupt" else total // 2)
                 conn.sendall(payload)
                 if self.mode == "short":

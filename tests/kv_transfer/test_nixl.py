@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 import torch
 
-from baton.kv_transfer import nixl_channel
-from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
+from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
 from baton.kv_transfer.leases import Status
+from baton.kv_transfer.nixl import channel as nixl_channel
+from baton.kv_transfer.params import RemotePrefill
 from tests.kv_transfer.helpers import as_bytes, make_cache
 
 nixl = pytest.importorskip(
-    "baton.kv_transfer.nixl",
+    "baton.kv_transfer.nixl.transport",
     reason="no NIXL package is installed (pip install nixl-cu12)",
     exc_type=ImportError,
 )

@@ -14,13 +14,9 @@ import torch
 
 from baton.kv_transfer.checksum import block_bytes, block_checksum, combine
 from baton.kv_transfer.leases import Status
-from baton.kv_transfer.tcp import (
-    _REPLY,
-    _REPLY_MAGIC,
-    KVBlockServer,
-    coalesce,
-)
-from baton.kv_transfer.tcp_reader import read_blocks
+from baton.kv_transfer.tcp.reader import read_blocks
+from baton.kv_transfer.tcp.server import KVBlockServer
+from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, coalesce
 from tests.kv_transfer.helpers import (
     BB,
     ENGINE,
@@ -190,8 +186,8 @@ def test_short_read() -> None:
 
     def behave(conn: socket.socket, ids: list[int]) -> None:
         conn.sendall(
-            _REPLY.pack(
-                _REPLY_MAGIC,
+            REPLY.pack(
+                REPLY_MAGIC,
                 Status.OK,
                 len(payload) // 2,
                 len(payload),
@@ -217,8 +213,8 @@ def test_corrupted_payload() -> None:
 
     def behave(conn: socket.socket, ids: list[int]) -> None:
         conn.sendall(
-            _REPLY.pack(
-                _REPLY_MAGIC,
+            REPLY.pack(
+                REPLY_MAGIC,
                 Status.OK,
                 len(payload),
                 len(payload),

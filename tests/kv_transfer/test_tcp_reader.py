@@ -11,13 +11,10 @@ import torch
 
 from baton.kv_transfer.checksum import block_checksum, combine
 from baton.kv_transfer.leases import Status
-from baton.kv_transfer.tcp import (
-    _REPLY,
-    _REPLY_MAGIC,
-    _REQUEST,
-    KVBlockServer,
-)
-from baton.kv_transfer.tcp_reader import _CHUNK_BYTES, KVConnectionPool, read_blocks
+from baton.kv_transfer.sockets import KVConnectionPool
+from baton.kv_transfer.tcp.reader import RECV_CHUNK_BYTES, read_blocks
+from baton.kv_transfer.tcp.server import KVBlockServer
+from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, REQUEST
 from tests.kv_transfer.helpers import (
     BB,
     ENGINE,
@@ -112,8 +109,8 @@ def test_pool_deadline_on_pooled_connection() -> None:
             conn, _ = listener.accept()
             with conn:
                 for _ in range(2):
-                    head = conn.recv(_REQUEST.size, socket.MSG_WAITALL)
-                    _, elen, rlen, n, _ = _REQUEST.unpack(head)
+                    head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+                    _, elen, rlen, n, _ = REQUEST.unpack(head)
                     conn.recv(elen + rlen + 4 * n, socket.MSG_WAITALL)
                     if stall.is_set():
                         time.sleep(2)  # the second read: accepts the request, never answers
@@ -144,13 +141,13 @@ def test_pool_deadline_on_pooled_connection() -> None:
 
 def _ok_reply(payload: bytes) -> bytes:
     crcs = [block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]
-    return _REPLY.pack(_REPLY_MAGIC, Status.OK, BB, len(payload), combine(crcs))
+    return REPLY.pack(REPLY_MAGIC, Status.OK, BB, len(payload), combine(crcs))
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_corruption_in_first_or_last_chunk(where: str) -> None:
     """A flipped byte in the first or the last receive chunk of a multi-chunk read is caught."""
-    num_blocks = 2 * (_CHUNK_BYTES // BB) + 3  # two full chunks and a partial third
+    num_blocks = 2 * (RECV_CHUNK_BYTES // BB) + 3  # two full chunks and a partial third
     shape = (num_blocks, *SHAPE[1:])
     payload = bytearray(as_bytes(make_cache(shape=shape, seed=4)).numpy().tobytes())
     reply = _ok_reply(bytes(payload))
@@ -174,7 +171,7 @@ def test_corruption_in_first_or_last_chunk(where: str) -> None:
 
 def test_multi_chunk_read_is_byte_exact(server: KVBlockServer) -> None:
     """A read spanning several receive chunks and runs lands byte-exact."""
-    num_blocks = 3 * (_CHUNK_BYTES // BB) + 5
+    num_blocks = 3 * (RECV_CHUNK_BYTES // BB) + 5
     shape = (num_blocks, *SHAPE[1:])
     remote = make_cache(shape=shape, seed=5)
     srv = KVBlockServer(remote, ENGINE)

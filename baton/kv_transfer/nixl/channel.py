@@ -1,19 +1,24 @@
 """The NIXL transport's side channel: length-prefixed msgpack messages between a reader and a
-serving engine, and block-region helpers. Nothing here needs the ``nixl`` package; the transport
-itself is in ``nixl.py``, the leases it serves in ``leases.py``.
+serving engine, the reader's client over pooled connections, and block-region helpers. Nothing
+here needs the ``nixl`` package.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
+import time
 
 import msgspec
 
-from baton.kv_transfer.tcp import _recv_exact
+from baton.kv_transfer.sockets import KVConnectionPool, arm, connect, is_timeout, recv_exact
+
+logger = logging.getLogger(__name__)
 
 _FRAME = struct.Struct("!I")
 _MAX_FRAME = 64 << 20  # bounds what a malformed length can make either side allocate
+_NOTIFY_MIN_TIMEOUT_S = 0.5  # a Done is sent even when the read used up its deadline
 
 
 # ---- side-channel messages --------------------------------------------------------------------
@@ -72,16 +77,81 @@ def send_message(sock: socket.socket, message: Message | Reply) -> None:
 
 def recv_frame(sock: socket.socket) -> bytes | None:
     """One frame's payload; None on a clean EOF before it, ConnectionError on a short one."""
-    head = _recv_exact(sock, _FRAME.size)
+    head = recv_exact(sock, _FRAME.size)
     if head is None:
         return None
     (size,) = _FRAME.unpack(head)
     if size > _MAX_FRAME:
         raise ConnectionError(f"frame of {size} B exceeds {_MAX_FRAME} B")
-    payload = _recv_exact(sock, size) if size else b""
+    payload = recv_exact(sock, size) if size else b""
     if payload is None:
         raise ConnectionError("connection closed before the frame's payload")
     return payload
+
+
+# ---- the reader's client ----------------------------------------------------------------------
+
+
+class SideChannelClient:
+    """Requests to other engines' side channels, over pooled connections; thread-safe, and no
+    call raises: failures come back as ``"<CODE>: detail"`` strings."""
+
+    def __init__(self) -> None:
+        self._pool = KVConnectionPool()
+
+    def call(self, host: str, port: int, message: Message, deadline: float) -> Reply | str:
+        """One request and its reply, over a pooled connection when there is one (retried once on
+        a new connection when the pooled one turns out dead before any reply byte)."""
+        for pooled in (True, False):
+            sock = self._pool.take(host, port) if pooled else connect(host, port, deadline)
+            if sock is None:
+                continue
+            if isinstance(sock, str):
+                return sock
+            replied = False
+            try:
+                arm(sock, deadline)
+                send_message(sock, message)
+                payload = recv_frame(sock)
+                replied = payload is not None
+                if payload is None:
+                    raise ConnectionError("connection closed before the reply")
+                reply = reply_decoder.decode(payload)
+            except msgspec.DecodeError as exc:
+                sock.close()
+                return f"PROTOCOL: bad reply from {host}:{port}: {exc}"
+            except OSError as exc:
+                sock.close()
+                if pooled and not replied and not is_timeout(exc):
+                    continue
+                if is_timeout(exc):
+                    return f"DEADLINE: waiting for {host}:{port}"
+                return f"SHORT_READ: side channel to {host}:{port}: {exc}"
+            self._pool.give(host, port, sock)
+            return reply
+        return f"CONNECT_FAILED: {host}:{port}"  # unreachable: the second pass always returns
+
+    def notify(self, host: str, port: int, message: Done, deadline: float) -> None:
+        """Sends a one-way message; a lost Done leaves the lease to expire, as with TCP."""
+        sock = self._pool.take(host, port) or connect(host, port, deadline)
+        if isinstance(sock, str):
+            logger.debug("sending %s: %s", message, sock)
+            return
+        try:
+            arm(sock, max(deadline, time.monotonic() + _NOTIFY_MIN_TIMEOUT_S))
+            send_message(sock, message)
+        except OSError as exc:
+            logger.debug("sending %s: %s", message, exc)
+            sock.close()
+            return
+        self._pool.give(host, port, sock)
+
+    def close(self) -> None:
+        """Closes the idle connections; the client stays usable."""
+        self._pool.close()
+
+
+# ---- block regions ----------------------------------------------------------------------------
 
 
 def paired_runs(remote_ids: list[int], local_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -1,5 +1,5 @@
 """The TCP transport behind the KV connector: a `KVBlockServer` for this engine's leases and
-pooled `read_blocks` pulls from other engines' servers (`tcp.py`, `tcp_reader.py`)."""
+pooled `read_blocks` pulls from other engines' servers."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import logging
 
 import torch
 
-from baton.kv_transfer.base import KVTransferConfig, LoadSpec, RemotePrefill, TransferResult
-from baton.kv_transfer.tcp import KVBlockServer
-from baton.kv_transfer.tcp_reader import KVConnectionPool, read_blocks, release_lease
+from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
+from baton.kv_transfer.params import RemotePrefill
+from baton.kv_transfer.sockets import KVConnectionPool
+from baton.kv_transfer.tcp.reader import read_blocks, release_lease
+from baton.kv_transfer.tcp.server import KVBlockServer
 
 logger = logging.getLogger(__name__)
 
 
 class TCPTransport:
+    """The `KVTransport` over TCP; host memory only."""
+
     name = "tcp"
 
     def __init__(self, config: KVTransferConfig) -> None:
@@ -46,7 +50,7 @@ class TCPTransport:
     def read(self, spec: LoadSpec, deadline: float) -> TransferResult:
         assert self._kv_cache is not None, "start first"
         r = spec.remote
-        result = read_blocks(
+        return read_blocks(
             r.host,
             r.port,
             r.engine_id,
@@ -56,9 +60,7 @@ class TCPTransport:
             spec.local_block_ids,
             deadline,
             pool=self._pool,
-        )
-        return TransferResult(
-            spec.req_id, result.ok, result.error, result.num_bytes, result.seconds
+            req_id=spec.req_id,
         )
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:

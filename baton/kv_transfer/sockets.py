@@ -1,0 +1,259 @@
+"""The socket plumbing both KV transports share: exact reads, kernel I/O timeouts and deadlines,
+client connections, the threaded server their block servers and side channels run on, and the
+pool of idle reader connections.
+
+Sockets run in blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
+socket timeouts: a Python timeout turns every recv into poll + non-blocking recv, which halved the
+loopback rate of a 16 MiB read in ``bench/kv_transfer.py``. A kernel timeout bounds each call, not
+a whole exchange, so a reader with a deadline re-arms it (``arm``) before every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# How often the accept loop looks at the stop flag; bounds how long stop() waits for it.
+_ACCEPT_POLL_S = 0.05
+# A pooled connection idle longer than this is closed rather than reused; kept well under the
+# servers' default io_timeout (30 s), after which a server closes an idle connection.
+_POOL_MAX_IDLE_S = 10.0
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Kernel send and receive timeouts on a blocking socket (see the module docstring)."""
+    sock.settimeout(None)
+    # A zero timeval means "never time out", so round up to at least one microsecond.
+    micros = max(1, int(seconds * 1e6))
+    timeval = struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def arm(sock: socket.socket, deadline: float) -> None:
+    """Sets the kernel timeouts to the time left before ``deadline`` (``time.monotonic()``);
+    TimeoutError once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    set_io_timeout(sock, left)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether exc is a kernel socket timeout (EAGAIN from SO_RCVTIMEO/SO_SNDTIMEO) or Python's."""
+    if isinstance(exc, TimeoutError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """n bytes; None on a clean EOF before the first byte, ConnectionError on a short one."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+def connect(
+    host: str, port: int, deadline: float, *, rcvbuf: int | None = None
+) -> socket.socket | str:
+    """A new TCP_NODELAY connection to (host, port) opened by ``deadline``; else the error, as
+    ``DEADLINE: ...``, ``CONNECT_FAILED: ...`` or ``IO_ERROR: ...``. ``rcvbuf`` sizes the
+    receive buffer."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return f"DEADLINE: connecting to {host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=left)
+    except TimeoutError:
+        return f"DEADLINE: connecting to {host}:{port}"
+    except OSError as exc:
+        return f"CONNECT_FAILED: {host}:{port}: {exc}"
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if rcvbuf is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    except OSError as exc:
+        sock.close()
+        return f"IO_ERROR: {exc}"
+    return sock
+
+
+class ThreadedServer:
+    """A listening socket that serves each connection on its own daemon thread.
+
+    A connection's thread calls ``serve_one(conn)`` until it returns False, the peer hangs up or
+    errs, or the server stops; every send and receive is bounded by ``io_timeout``, so a peer
+    that stalls mid-exchange cannot pin a thread forever. Connections are few and long-lived
+    (readers pool them), so a thread each is cheaper than an event loop's per-call overhead.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        serve_one: Callable[[socket.socket], bool],
+        *,
+        io_timeout: float,
+        name: str,
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._serve_one = serve_one
+        self._io_timeout = io_timeout
+        self._name = name
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+
+    @property
+    def port(self) -> int:
+        """The bound port once started (the configured one before)."""
+        return self._port
+
+    def start(self) -> int:
+        """Binds, starts accepting in a daemon thread, and returns the bound port."""
+        listener = socket.create_server((self._host, self._port))
+        listener.settimeout(_ACCEPT_POLL_S)
+        self._port = int(listener.getsockname()[1])
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop,
+            args=(listener,),
+            name=f"{self._name}-{self._port}",
+            daemon=True,
+        )
+        self._accept_thread.start()
+        return self._port
+
+    def stop(self) -> None:
+        """Closes the listener and every connection and joins their threads, within a second or
+        so; a thread blocked in a send or receive is woken by the socket's shutdown."""
+        self._stopping.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=1.0)
+        with self._lock:
+            conns = list(self._conns.items())
+        for conn, _ in conns:
+            # shutdown wakes a thread blocked in recv/send on this socket; close alone may not.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        for _, thread in conns:
+            thread.join(timeout=0.5)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        with listener:
+            while not self._stopping.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                set_io_timeout(conn, self._io_timeout)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+                with self._lock:
+                    self._conns[conn] = thread
+                thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                while not self._stopping.is_set() and self._serve_one(conn):
+                    pass
+        except OSError as exc:  # ConnectionError and timeouts included
+            logger.debug("%s connection ended: %s", self._name, exc)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+
+
+class KVConnectionPool:
+    """Idle reader connections per (host, port), so that many reads share one connection.
+
+    Thread-safe; each connection serves one exchange at a time (a reader takes it out of the pool
+    and gives it back only after a successful exchange). A connection that saw any error or
+    refusal is closed, never reused. ``close`` closes the idle ones.
+    """
+
+    def __init__(
+        self,
+        max_idle_per_peer: int = 4,
+        max_idle_s: float = _POOL_MAX_IDLE_S,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_idle_per_peer < 1 or max_idle_s <= 0:
+            raise ValueError(
+                f"max_idle_per_peer must be >= 1 and max_idle_s > 0, got {max_idle_per_peer}, "
+                f"{max_idle_s}"
+            )
+        self._max_idle_per_peer = max_idle_per_peer
+        self._max_idle_s = max_idle_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        # (host, port) -> idle connections with the time each was put back, most recent last
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+        self.connects = 0  # connections its users opened for it, for tests and benchmarks
+
+    def take(self, host: str, port: int) -> socket.socket | None:
+        """An idle connection to (host, port) that still looks healthy, or None."""
+        now = self._clock()
+        while True:
+            with self._lock:
+                idle = self._idle.get((host, port))
+                if not idle:
+                    return None
+                sock, since = idle.pop()
+            if now - since <= self._max_idle_s and _looks_idle(sock):
+                return sock
+            sock.close()
+
+    def give(self, host: str, port: int, sock: socket.socket) -> None:
+        """Returns a connection after a successful exchange; closes it when the pool is full."""
+        with self._lock:
+            idle = self._idle.setdefault((host, port), [])
+            if len(idle) < self._max_idle_per_peer:
+                idle.append((sock, self._clock()))
+                return
+        sock.close()
+
+    def close(self) -> None:
+        """Closes every idle connection; the pool stays usable."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for sock, _ in conns:
+                sock.close()
+
+    def __enter__(self) -> KVConnectionPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _looks_idle(sock: socket.socket) -> bool:
+    """True when nothing is readable: no EOF, reset or stray bytes arrived while it sat idle."""
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" is EOF
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False

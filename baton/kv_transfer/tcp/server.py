@@ -1,0 +1,147 @@
+"""The TCP transport's block server (the prefill side): serves leased blocks of this engine's KV
+cache straight from tensor memory, one read or release at a time per connection (``wire.py``)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Callable
+
+import torch
+
+from baton.kv_transfer.checksum import block_bytes, byte_view, combine
+from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
+from baton.kv_transfer.sockets import ThreadedServer, recv_exact
+from baton.kv_transfer.tcp.wire import (
+    DONE,
+    MAX_BLOCKS_PER_READ,
+    REPLY,
+    REPLY_MAGIC,
+    REQUEST,
+    REQUEST_MAGIC,
+    coalesce,
+)
+
+
+class KVBlockServer:
+    """Serves leased KV blocks of one engine's cache to remote readers (the prefill side).
+
+    Engine-facing methods (lease, release, expire, done_requests) are thread-safe and never block on
+    I/O, so the engine's busy loop may call them every step. A lease must cover blocks the engine
+    will not write or free until the lease is released, expired, or reported done.
+    """
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        engine_id: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        io_timeout: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._view = byte_view(kv_cache)
+        self._block_bytes = block_bytes(kv_cache)
+        self.engine_id = engine_id
+        self._leases = LeaseTable(kv_cache, clock)
+        # io_timeout: a reader that stalls mid-transfer must not pin a server thread forever.
+        self._server = ThreadedServer(
+            host, port, self._serve_one, io_timeout=io_timeout, name="kv-server"
+        )
+
+    # ------------------------------------------------------------------ engine side
+
+    def lease(self, request_id: str, block_ids: list[int], expires_at: float) -> None:
+        """Makes block_ids readable under request_id until expires_at (Unix time)."""
+        self._leases.lease(request_id, block_ids, expires_at)
+
+    def release(self, request_id: str) -> bool:
+        """Drops a lease; False when there was none."""
+        return self._leases.release(request_id)
+
+    def expire(self, now: float) -> list[str]:
+        """Drops the leases whose time passed (expires_at < now) and returns their request ids."""
+        return self._leases.expire(now)
+
+    def done_requests(self) -> list[str]:
+        """Request ids whose reader finished since the last call; their blocks may be freed."""
+        return self._leases.claimed()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> int:
+        """Binds, starts accepting in a daemon thread, and returns the bound port."""
+        return self._server.start()
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def stop(self) -> None:
+        """Closes the listener and all connections, joins all threads, well within a second."""
+        self._server.stop()
+        self._leases.stop()
+
+    # ------------------------------------------------------------------ per connection
+
+    def _serve_one(self, conn: socket.socket) -> bool:
+        """Serves one read; False when the connection should close."""
+        head = recv_exact(conn, REQUEST.size)
+        if head is None:
+            return False
+        magic, engine_len, request_len, num_blocks, client_block_bytes = REQUEST.unpack(head)
+        if magic != REQUEST_MAGIC or num_blocks > MAX_BLOCKS_PER_READ:
+            self._reply(conn, Status.BAD_REQUEST)
+            return False
+        body = recv_exact(conn, engine_len + request_len + 4 * num_blocks)
+        if body is None:
+            return False
+        engine_id = body[:engine_len].decode("utf-8", "replace")
+        request_id = body[engine_len : engine_len + request_len].decode("utf-8", "replace")
+        ids = list(struct.unpack_from(f"!{num_blocks}I", body, engine_len + request_len))
+        if not ids:
+            self._reply(conn, self._release_for_reader(engine_id, request_id))
+            return True
+
+        status, sums = self._check(engine_id, request_id, ids, client_block_bytes)
+        if status != Status.OK:
+            self._reply(conn, status)
+            return True
+        try:
+            return self._send(conn, request_id, ids, sums)
+        finally:
+            self._leases.end_read(request_id)
+
+    def _release_for_reader(self, engine_id: str, request_id: str) -> Status:
+        if engine_id != self.engine_id:
+            return Status.UNKNOWN_ENGINE
+        return Status.OK if self._leases.claim(request_id) else Status.UNKNOWN_REQUEST
+
+    def _send(self, conn: socket.socket, request_id: str, ids: list[int], sums: list[int]) -> bool:
+        bpb = self._block_bytes
+        conn.sendall(REPLY.pack(REPLY_MAGIC, Status.OK, bpb, len(ids) * bpb, combine(sums)))
+        for first, count in coalesce(ids):
+            conn.sendall(self._view[first * bpb : (first + count) * bpb])
+        done = recv_exact(conn, 1)
+        if done != DONE:
+            return False
+        self._leases.claim(request_id)
+        return True
+
+    def _check(
+        self, engine_id: str, request_id: str, ids: list[int], client_bb: int
+    ) -> tuple[Status, list[int]]:
+        """(OK, the checksum of each asked block) when the read may proceed, the lease then held
+        against expiry until the read ends; else (the refusal, [])."""
+        if engine_id != self.engine_id:
+            return Status.UNKNOWN_ENGINE, []
+        if client_bb != self._block_bytes:
+            return Status.BLOCK_SIZE_MISMATCH, []
+        # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
+        # the server's I/O timeout on every send and receive.
+        return self._leases.lookup(request_id, ids, MAX_HOLD_S)
+
+    def _reply(self, conn: socket.socket, status: Status) -> None:
+        conn.sendall(REPLY.pack(REPLY_MAGIC, status, self._block_bytes, 0, 0))

@@ -1,0 +1,52 @@
+"""The TCP transport's wire format, shared by the block server and the reader.
+
+Per connection (several reads may follow each other on one connection):
+
+    client -> server  request header (REQUEST) + engine_id + request_id + block ids (uint32 each)
+    server -> client  reply header (REPLY): status, server block_bytes, total bytes, checksum
+    server -> client  on OK only: the raw bytes of each coalesced run, in the order asked
+    client -> server  one DONE byte once everything arrived and the checksum matched
+
+A request with no block ids is a release: the reader will not read this lease (it failed, or it
+needs none of the blocks); the server drops the lease, reports it claimed, and replies OK with no
+payload. A lease being read is never expired under the read: ``LeaseTable.expire`` skips it, and
+the read itself is bounded by the server's I/O timeout.
+
+The checksum (``checksum.py``, xxh3-64) is computed per block, and the header carries the
+checksum of those per-block values (big-endian uint64, in the order asked). Per-block values let
+the server compute them when the lease is made, on a background thread, so for any subset or
+order of the leased blocks the read itself pays no checksum pass on the sending side.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# magic, len(engine_id), len(request_id), number of block ids, the client's block_bytes
+REQUEST = struct.Struct("!4sHHIQ")
+REQUEST_MAGIC = b"BKVQ"
+# magic, status, the server's block_bytes, total payload bytes, checksum of the payload
+REPLY = struct.Struct("!4sBQQQ")
+REPLY_MAGIC = b"BKVA"
+DONE = b"\x01"
+# Bounds what a malformed or hostile header can make the server allocate.
+MAX_BLOCKS_PER_READ = 1 << 22
+
+
+def pack_request(engine_id: str, request_id: str, block_ids: list[int], block_bytes: int) -> bytes:
+    """A read of ``block_ids`` (a release when there are none, with ``block_bytes`` 0)."""
+    engine_b, request_b = engine_id.encode(), request_id.encode()
+    head = REQUEST.pack(REQUEST_MAGIC, len(engine_b), len(request_b), len(block_ids), block_bytes)
+    return head + engine_b + request_b + struct.pack(f"!{len(block_ids)}I", *block_ids)
+
+
+def coalesce(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ids as (first_id, count), in the given order."""
+    runs: list[tuple[int, int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            first, count = runs[-1]
+            runs[-1] = (first, count + 1)
+        else:
+            runs.append((block_id, 1))
+    return runs
