@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from baton.operator import crd
-from tests.operator.kmock_server import ApiServer
+from tests.support.kmock_server import ApiServer
 
 ISVC_PATH = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
@@ -36,7 +36,7 @@ class Kube:
 
     def __init__(self, server: ApiServer) -> None:
         self.server = server
-        self.http = httpx.Client(base_url=server.url, timeout=10)
+        self.http = httpx.Client(base_url=server.url, timeout=10, headers=server.headers())
 
     def apply_isvc(self, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         body = {
