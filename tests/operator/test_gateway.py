@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from tests.operator.conftest import Kube, wait_for
-from tests.support.kmock_server import endpoint_slice
 from tests.router.test_k8s_discovery import discover
+from tests.support.kmock_server import endpoint_slice
 
 pytestmark = pytest.mark.slow
 
