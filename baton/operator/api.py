@@ -6,6 +6,7 @@ delete, a status patch and a create. Errors are the library's `DynamicApiError`s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any
 
@@ -24,13 +25,22 @@ class Api:
     def __init__(self, client: DynamicClient, timeout: float = 30.0) -> None:
         self.client = client
         self.timeout = timeout  # seconds for one call: a hung server fails the pass, not stalls it
-        self._resources: dict[tuple[str, str], Resource] = {}
+        # One lookup per kind, shared by the calls that need it meanwhile: a pass applies a
+        # dozen children at once, and each lookup that misses rewrites the discovery cache file.
+        self._resources: dict[tuple[str, str], asyncio.Task[Resource]] = {}
 
     async def resource(self, api_version: str, kind: str) -> Resource:
         key = (api_version, kind)
-        if key not in self._resources:
-            self._resources[key] = await lookup(self.client, api_version, kind)
-        return self._resources[key]
+        task = self._resources.get(key)
+        if task is None:
+            task = asyncio.ensure_future(lookup(self.client, api_version, kind))
+            self._resources[key] = task
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            if self._resources.get(key) is task:
+                del self._resources[key]  # the next call looks again
+            raise
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object, or None when it does not exist."""
