@@ -7,8 +7,6 @@ import asyncio
 import base64
 import datetime
 import json
-import stat
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ from kubernetes_asyncio.dynamic.exceptions import UnauthorizedError
 
 from baton import kube
 from baton.kube import connect, load_configuration
+from tests.support.exec_credential import exec_user
 from tests.support.kmock_server import ApiServer
 
 
@@ -31,37 +30,6 @@ def kubeconfig(tmp_path: Path, user: dict[str, Any], cluster: dict[str, Any] | N
     path = tmp_path / "config"
     path.write_text(json.dumps(doc))
     return str(path)
-
-
-def exec_plugin(tmp_path: Path, token: str, expires_in: float | None = None) -> dict[str, Any]:
-    """A kubeconfig `exec` user whose plugin prints an ExecCredential with `token` followed by
-    how often the plugin ran (so a test sees whether it ran again)."""
-    script = tmp_path / "credential-plugin"
-    counter = tmp_path / "plugin-runs"
-    expiry = ""
-    if expires_in is not None:
-        when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=expires_in)
-        expiry = when.strftime("%Y-%m-%dT%H:%M:%SZ")
-    script.write_text(
-        f"#!{sys.executable}\n"
-        "import json, pathlib\n"
-        f"counter = pathlib.Path({str(counter)!r})\n"
-        "runs = int(counter.read_text()) + 1 if counter.exists() else 1\n"
-        "counter.write_text(str(runs))\n"
-        f"status = {{'token': {token!r} + str(runs)}}\n"
-        f"if {expiry!r}:\n"
-        f"    status['expirationTimestamp'] = {expiry!r}\n"
-        "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1beta1',\n"
-        "                  'kind': 'ExecCredential', 'status': status}))\n"
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return {
-        "exec": {
-            "apiVersion": "client.authentication.k8s.io/v1beta1",
-            "command": str(script),
-            "interactiveMode": "Never",
-        }
-    }
 
 
 async def bearer(kubeconfig_path: str | None = None) -> tuple[str | None, str]:
@@ -147,7 +115,7 @@ def test_in_cluster_service_account(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_exec_plugin_token_is_kept_until_it_expires(tmp_path: Path) -> None:
     """An exec plugin's token is used as it is while valid; a token about to expire makes the
     next request run the plugin again."""
-    lasting = kubeconfig(tmp_path, exec_plugin(tmp_path, "tok-", expires_in=3600))
+    lasting = kubeconfig(tmp_path, exec_user(tmp_path, "tok-", expires_in=3600, numbered=True))
 
     async def tokens(path: str) -> list[str | None]:
         configuration, _ = await load_configuration(path)
@@ -155,7 +123,7 @@ def test_exec_plugin_token_is_kept_until_it_expires(tmp_path: Path) -> None:
 
     assert asyncio.run(tokens(lasting)) == ["Bearer tok-1", "Bearer tok-1"]
     (tmp_path / "plugin-runs").unlink()
-    expiring = kubeconfig(tmp_path, exec_plugin(tmp_path, "tok-", expires_in=1))
+    expiring = kubeconfig(tmp_path, exec_user(tmp_path, "tok-", expires_in=1, numbered=True))
     assert asyncio.run(tokens(expiring)) == ["Bearer tok-2", "Bearer tok-3"]
 
 
