@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,7 @@ class Cluster:
     api: ApiClient
     client: DynamicClient
     namespace: str
+    cache_dir: Path  # the client's discovery cache, this connection's own
 
     @property
     def configuration(self) -> Configuration:
@@ -56,6 +59,7 @@ class Cluster:
 
     async def close(self) -> None:
         await self.api.close()
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
 async def load_configuration(kubeconfig: str | None = None) -> tuple[Configuration, str]:
@@ -107,16 +111,20 @@ async def connect(kubeconfig: str | None = None) -> Cluster:
     the library's `UnauthorizedError` when the server refuses the credentials."""
     configuration, namespace = await load_configuration(kubeconfig)
     api = ApiClient(configuration)
+    # The library would share one cache file per server URL in the temporary folder, and never
+    # remove it; discovery is a few small calls, so each connection keeps its own.
+    cache_dir = Path(tempfile.mkdtemp(prefix="baton-kube-"))
     try:
-        client = DynamicClient(api)
+        client = DynamicClient(api, cache_file=str(cache_dir / "discovery.json"))
         # Discovery would take an error answer for an empty API; a plain call first fails
         # clearly on bad credentials or a wrong server.
         await checked(client.request("get", "/version", serialize=False))
         await client  # reads discovery
     except BaseException:
         await api.close()
+        shutil.rmtree(cache_dir, ignore_errors=True)
         raise
-    return Cluster(api, client, namespace)
+    return Cluster(api, client, namespace, cache_dir)
 
 
 async def resource(client: DynamicClient, api_version: str, kind: str) -> Resource:
