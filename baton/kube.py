@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +19,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from kubernetes_asyncio.config.kube_config import KubeConfigLoader, load_kube_config
-from kubernetes_asyncio.dynamic import DynamicClient, Resource
+from kubernetes_asyncio.dynamic import DynamicClient, LazyDiscoverer, Resource
 from kubernetes_asyncio.dynamic.exceptions import api_exception
 
 logger = logging.getLogger(__name__)
@@ -38,6 +36,18 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"
 
 Manifest = dict[str, Any]
+# A path that cannot exist, so that no discovery cache file is ever read (see MemoryDiscoverer).
+NO_CACHE_FILE = os.path.join(os.devnull, "baton-discovery")
+
+
+class MemoryDiscoverer(LazyDiscoverer):
+    """The library's lazy API discovery, kept in memory only. By default it shares one cache
+    file per server URL in the temporary folder (never removed, read by any later process);
+    the operator's and the routers' root filesystems are read-only, and discovery is a few
+    small calls per connection."""
+
+    def _write_cache(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,6 @@ class Cluster:
     api: ApiClient
     client: DynamicClient
     namespace: str
-    cache_dir: Path  # the client's discovery cache, this connection's own
 
     @property
     def configuration(self) -> Configuration:
@@ -59,7 +68,6 @@ class Cluster:
 
     async def close(self) -> None:
         await self.api.close()
-        shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
 async def load_configuration(kubeconfig: str | None = None) -> tuple[Configuration, str]:
@@ -111,20 +119,16 @@ async def connect(kubeconfig: str | None = None) -> Cluster:
     the library's `UnauthorizedError` when the server refuses the credentials."""
     configuration, namespace = await load_configuration(kubeconfig)
     api = ApiClient(configuration)
-    # The library would share one cache file per server URL in the temporary folder, and never
-    # remove it; discovery is a few small calls, so each connection keeps its own.
-    cache_dir = Path(tempfile.mkdtemp(prefix="baton-kube-"))
     try:
-        client = DynamicClient(api, cache_file=str(cache_dir / "discovery.json"))
+        client = DynamicClient(api, cache_file=NO_CACHE_FILE, discoverer=MemoryDiscoverer)
         # Discovery would take an error answer for an empty API; a plain call first fails
         # clearly on bad credentials or a wrong server.
         await checked(client.request("get", "/version", serialize=False))
         await client  # reads discovery
     except BaseException:
         await api.close()
-        shutil.rmtree(cache_dir, ignore_errors=True)
         raise
-    return Cluster(api, client, namespace, cache_dir)
+    return Cluster(api, client, namespace)
 
 
 async def resource(client: DynamicClient, api_version: str, kind: str) -> Resource:

@@ -5,6 +5,7 @@ router's Kubernetes discovery both work with the plugin's token, and a wrong tok
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -84,6 +85,7 @@ def test_a_wrong_token_is_refused(
         task = asyncio.create_task(discovery.run(published.append))
         await asyncio.sleep(2)
         task.cancel()
+        gc.collect()  # closes the plugin's finished subprocesses while this loop still runs
 
     asyncio.run(main())
     assert published == []

@@ -4,6 +4,7 @@ live updates, namespace scoping and recovery from API errors."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ def discover(
                 await asyncio.wait_for(wait(until_after), 10)
         finally:
             task.cancel()
+            # An exec plugin's finished subprocess is closed while this loop still runs.
+            gc.collect()
 
     asyncio.run(main())
     return seen
