@@ -10,8 +10,8 @@ import os
 
 import kopf
 
+from baton.kube import load_configuration
 from baton.operator.handlers import Controller, register
-from baton.operator.kube import load_config
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -47,24 +47,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args.kubeconfig)
-    namespaces: tuple[str, ...] = ()
-    if not args.all_namespaces:
-        namespaces = tuple(args.namespace) or (config.namespace,)
-    controller = Controller(config, namespaces, args.default_image, args.resync_seconds)
+    asyncio.run(_operate(args))
+    return 0
+
+
+async def _operate(args: argparse.Namespace) -> None:
+    namespaces: tuple[str, ...] = tuple(args.namespace)
+    if not args.all_namespaces and not namespaces:
+        _, default = await load_configuration(args.kubeconfig)
+        namespaces = (default,)
+    controller = Controller(args.kubeconfig, namespaces, args.default_image, args.resync_seconds)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     registry = kopf.OperatorRegistry()
     register(registry, controller)
     liveness = f"http://0.0.0.0:{args.health_port}/healthz" if args.health_port else None
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            standalone=True,  # one replica (Recreate strategy): no peering objects needed
-            clusterwide=args.all_namespaces,
-            namespaces=namespaces,
-            liveness_endpoint=liveness,
-        )
+    await kopf.operator(
+        registry=registry,
+        standalone=True,  # one replica (Recreate strategy): no peering objects needed
+        clusterwide=args.all_namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=liveness,
     )
-    return 0

@@ -15,10 +15,11 @@ from typing import Any
 
 import kopf
 
+from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
-from baton.operator.kube import KubeClient, KubeConfig, resource_path
+from baton.operator.api import Api
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
-from baton.operator.resources import ISVC_LABEL, MANAGED_BY_LABEL, MANAGER
+from baton.operator.resources import MANAGED_BY_LABEL, MANAGER
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +28,17 @@ logger = logging.getLogger(__name__)
 class Controller:
     """What the handlers share: the API client and the reconciler, made at operator start-up."""
 
-    config: KubeConfig
+    kubeconfig: str | None  # None: in-cluster, else $KUBECONFIG (see `baton.kube`)
     namespaces: tuple[str, ...]  # empty: every namespace
     default_image: str = ""
     resync_seconds: float = 300.0
     reconciler: Reconciler | None = None
-    _client: KubeClient | None = None
+    _cluster: Cluster | None = None
     _resync: asyncio.Task[None] | None = field(default=None, repr=False)
 
     async def start(self) -> None:
-        self._client = await KubeClient(self.config).__aenter__()
-        self.reconciler = Reconciler(self._client, self.default_image)
+        self._cluster = await connect(self.kubeconfig)
+        self.reconciler = Reconciler(Api(self._cluster.client), self.default_image)
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop())
 
     async def stop(self) -> None:
@@ -47,8 +48,8 @@ class Controller:
                 await self._resync
         if self.reconciler is not None:
             await self.reconciler.close()
-        if self._client is not None:
-            await self._client.__aexit__(None, None, None)
+        if self._cluster is not None:
+            await self._cluster.close()
 
     async def trigger(self, namespace: str, name: str) -> None:
         if self.reconciler is not None:
@@ -56,18 +57,17 @@ class Controller:
 
     async def _resync_loop(self) -> None:
         """Reconciles every service every `resync_seconds`, whatever the watches said."""
-        assert self._client is not None
         while True:
             await asyncio.sleep(self.resync_seconds)
+            if self.reconciler is None:
+                continue
             for namespace in self.namespaces or (None,):
                 try:
-                    found = await self._client.list(
-                        resource_path(crd.API_VERSION, crd.PLURAL, namespace)
-                    )
+                    found = await self.reconciler.api.list(crd.API_VERSION, crd.KIND, namespace)
                 except Exception as e:  # the next resync tries again
                     logger.warning("resync could not list InferenceServices: %s", e)
                     continue
-                for item in found.get("items", []):
+                for item in found:
                     meta = item["metadata"]
                     await self.trigger(meta["namespace"], meta["name"])
 
@@ -90,17 +90,10 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         await controller.stop()
 
     @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        config = controller.config
-        return kopf.ConnectionInfo(
-            server=config.server,
-            ca_path=config.ca_file,
-            insecure=config.insecure,
-            token=config.bearer_token(),
-            certificate_path=config.cert_file,
-            private_key_path=config.key_file,
-            default_namespace=config.namespace,
-        )
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        # kopf asks again whenever the API answers 401; loading afresh then runs the exec
+        # plugin again (or re-reads the service account token).
+        return await connection_info(controller.kubeconfig)
 
     @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL, registry=registry)
     async def service_changed(
@@ -133,6 +126,27 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         kopf.on.event(
             group, version, plural, labels={MANAGED_BY_LABEL: MANAGER}, registry=registry
         )(child_changed)
+
+
+async def connection_info(kubeconfig: str | None) -> kopf.ConnectionInfo:
+    """kopf's credentials, as the client library loads them (`baton.kube.load_configuration`):
+    the server, TLS files, and the bearer token of the kubeconfig user, its exec plugin, or the
+    pod's service account."""
+    configuration, namespace = await load_configuration(kubeconfig)
+    header = await configuration.get_api_key_with_prefix("BearerToken")
+    scheme, _, token = str(header or "").rpartition(" ")
+    if not configuration.host:
+        raise kopf.LoginError("the kubeconfig names no API server")
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        default_namespace=namespace,
+    )
 
 
 def _version(event: kopf.RawEvent) -> str:

@@ -1,8 +1,8 @@
 """Level-triggered reconciliation of one `InferenceService`: read it, build every desired child
-with the pure builders, apply each idempotently, delete children it no longer wants, and write
-the status from what the API reports, all from scratch on every pass. Whatever triggers a pass
-(a change to the service, to a child, a retry, a resync), the outcome depends only on the
-current state.
+with the pure builders, server-side apply each one that is not as desired, delete children it no
+longer wants, and write the status from what the API reports, all from scratch on every pass.
+Whatever triggers a pass (a change to the service, to a child, a retry, a resync), the outcome
+depends only on the current state.
 
 Triggers for one service coalesce: while a pass runs, further triggers mark it dirty and one
 more pass follows, so a burst of child events costs at most one extra pass. A pass that fails
@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.dynamic.exceptions import NotFoundError
 
+from baton.kube import ISVC_LABEL
 from baton.operator import crd
-from baton.operator.apply import apply_patch, with_last_applied
+from baton.operator.api import Api
 from baton.operator.events import event_body
-from baton.operator.kube import ApiError, KubeClient, resource_path
 from baton.operator.resources import (
     COMPONENT_LABEL,
-    ISVC_LABEL,
     MANAGED_BY_LABEL,
     MANAGER,
     desired_children,
@@ -52,6 +53,8 @@ CHILD_KINDS: dict[str, tuple[str, str]] = {
 }
 # Kinds of which a spec change can leave children behind (a mode switch, autoscaling off).
 PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+# The field manager that keeps a Deployment's `spec.replicas` while an HPA takes it over.
+HANDOFF_MANAGER = "baton-operator-handoff"
 
 
 class ChildConflict(Exception):
@@ -68,15 +71,17 @@ class _KeyState:
 
 @dataclass
 class Reconciler:
-    """Reconciles `InferenceService`s through `client`; one instance per operator process."""
+    """Reconciles `InferenceService`s through `api`; one instance per operator process."""
 
-    client: KubeClient
+    api: Api
     default_image: str = ""
     max_backoff: float = 60.0
     _states: dict[Key, _KeyState] = field(default_factory=dict)
-    # Generation each service was last pruned at: only a spec change can make a child
-    # unwanted, so the lists that pruning needs run once per generation, not once per pass.
-    _pruned: dict[Key, int] = field(default_factory=dict)
+    # Generation of each service whose children this process has applied in full and pruned.
+    # Only a spec change (or a new operator) can make a child unwanted or drop a field from it,
+    # so after that first pass a child is applied only when it lost a desired value, and the
+    # lists that pruning needs run once per generation, not once per pass.
+    _settled: dict[Key, int] = field(default_factory=dict)
     # (kind, namespace, name) -> resourceVersion of the operator's own last write, so that the
     # watch event of that write does not trigger another pass (controller-runtime calls these
     # "expectations"). Any other version, or a deletion, still triggers one.
@@ -114,7 +119,7 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops a deleted service (its children go with it through owner references)."""
-        self._pruned.pop((namespace, name), None)
+        self._settled.pop((namespace, name), None)
         state = self._states.pop((namespace, name), None)
         if state is not None and state.retry is not None:
             state.retry.cancel()
@@ -133,7 +138,7 @@ class Reconciler:
         try:
             await self.reconcile(*key)
             state.failures = 0
-        except (ApiError, aiohttp.ClientError, TimeoutError, ChildConflict) as e:
+        except (ApiException, aiohttp.ClientError, TimeoutError, ChildConflict) as e:
             delay = min(self.max_backoff, 0.5 * 2**state.failures)
             state.failures += 1
             logger.warning("reconcile %s/%s failed (%s); retry in %.1fs", *key, e, delay)
@@ -148,8 +153,7 @@ class Reconciler:
 
     async def reconcile(self, namespace: str, name: str) -> None:
         """One pass for one service; raises on API failures (the caller retries)."""
-        path = resource_path(crd.API_VERSION, crd.PLURAL, namespace, name)
-        isvc = await self.client.get(path)
+        isvc = await self.api.get(crd.API_VERSION, crd.KIND, namespace, name)
         if isvc is None or isvc["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
             return
@@ -159,15 +163,18 @@ class Reconciler:
         except SpecError as e:
             await self._write_status(isvc, failed_status(isvc, e.reason, e.message, now_iso()))
             return
+        generation = isvc["metadata"].get("generation", 0)
+        settled = self._settled.get((namespace, name)) == generation
         try:
-            applied = await asyncio.gather(*(self._apply(isvc, child) for child in desired))
+            applied = await asyncio.gather(
+                *(self._apply(isvc, child, settled) for child in desired)
+            )
         except ChildConflict as e:
             await self._write_status(isvc, failed_status(isvc, "ChildConflict", str(e), now_iso()))
             raise
-        generation = isvc["metadata"].get("generation", 0)
-        if self._pruned.get((namespace, name)) != generation:
+        if not settled:
             await self._prune(isvc, desired)
-            self._pruned[(namespace, name)] = generation
+            self._settled[(namespace, name)] = generation
         deployments: dict[str, Manifest | None] = {}
         router_service = None
         for child, live in zip(desired, applied, strict=True):
@@ -178,49 +185,54 @@ class Reconciler:
         url = service_url(isvc, router_service)
         await self._write_status(isvc, running_status(isvc, spec, deployments, url, now_iso()))
 
-    async def _apply(self, isvc: Manifest, child: Manifest) -> Manifest:
-        """Creates or patches one child; returns it as the API server holds it."""
-        api_version, plural = CHILD_KINDS[child["kind"]]
+    async def _apply(self, isvc: Manifest, child: Manifest, settled: bool) -> Manifest:
+        """Server-side applies one child (which creates it when missing) unless the service is
+        `settled` and the child still has every desired value; returns it as the API server
+        holds it. Applying with force takes back whatever someone else changed; a field the
+        operator stopped setting is removed by the server, as the operator owned it."""
         meta = child["metadata"]
-        path = resource_path(api_version, plural, meta["namespace"], meta["name"])
-        desired = with_last_applied(child)
-        live = await self.client.get(path)
-        if live is None:
-            logger.info("creating %s %s/%s", child["kind"], meta["namespace"], meta["name"])
-            collection = resource_path(api_version, plural, meta["namespace"])
-            try:
-                return self._wrote(await self.client.create(collection, desired))
-            except ApiError as e:
-                if e.status != 409:  # created meanwhile: compare it on the next pass
-                    raise
-                live = await self.client.get(path)
-                if live is None:
-                    raise
-        uid = isvc["metadata"]["uid"]
-        if not any(
-            ref.get("uid") == uid and ref.get("controller")
-            for ref in live["metadata"].get("ownerReferences", [])
-        ):
-            raise ChildConflict(
-                f"{child['kind']} {meta['name']!r} exists and is not controlled by this "
-                "InferenceService; delete or rename it"
-            )
-        patch = apply_patch(live, desired)
-        if patch is None:
-            return live
-        logger.info("updating %s %s/%s", child["kind"], meta["namespace"], meta["name"])
-        return self._wrote(await self.client.patch(path, patch))
+        what = (child["kind"], meta["namespace"], meta["name"])
+        live = await self.api.get(child["apiVersion"], child["kind"], *what[1:])
+        if live is not None:
+            if not controlled_by(live, isvc["metadata"]["uid"]):
+                raise ChildConflict(
+                    f"{child['kind']} {meta['name']!r} exists and is not controlled by this "
+                    "InferenceService; delete or rename it"
+                )
+            if settled and contains(live, child):
+                return live
+            await self._hand_off_replicas(live, child)
+        logger.info("applying %s %s/%s", *what)
+        return self._wrote(await self.api.apply(child, MANAGER, force=True))
+
+    async def _hand_off_replicas(self, live: Manifest, child: Manifest) -> None:
+        """Keeps a Deployment's replicas when its pool turns to autoscaling. The operator stops
+        applying `spec.replicas` then, and a field its manager alone owns would be removed (the
+        Deployment back to 1 replica) before the HPA writes it; another manager applying the
+        live value first keeps it until the HPA takes it over."""
+        if child["kind"] != "Deployment" or "replicas" in child.get("spec", {}):
+            return
+        replicas = live.get("spec", {}).get("replicas")
+        if replicas is None or not owns(live, MANAGER, ("f:spec", "f:replicas")):
+            return
+        meta = child["metadata"]
+        keep = {
+            "apiVersion": child["apiVersion"],
+            "kind": child["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "spec": {"replicas": replicas},
+        }
+        logger.info("handing replicas of %s/%s to its HPA", meta["namespace"], meta["name"])
+        await self.api.apply(keep, HANDOFF_MANAGER, force=False)
 
     async def _prune(self, isvc: Manifest, desired: list[Manifest]) -> None:
         meta = isvc["metadata"]
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         selector = f"{ISVC_LABEL}={meta['name']},{MANAGED_BY_LABEL}={MANAGER}"
         for kind in PRUNED_KINDS:
-            api_version, plural = CHILD_KINDS[kind]
-            found = await self.client.list(
-                resource_path(api_version, plural, meta["namespace"]), selector
-            )
-            for obj in found.get("items", []):
+            api_version, _ = CHILD_KINDS[kind]
+            found = await self.api.list(api_version, kind, meta["namespace"], selector)
+            for obj in found:
                 name = obj["metadata"]["name"]
                 owned = any(
                     ref.get("uid") == meta["uid"]
@@ -228,9 +240,7 @@ class Reconciler:
                 )
                 if owned and (kind, name) not in wanted:
                     logger.info("deleting %s %s/%s", kind, meta["namespace"], name)
-                    await self.client.delete(
-                        resource_path(api_version, plural, meta["namespace"], name)
-                    )
+                    await self.api.delete(api_version, kind, meta["namespace"], name)
 
     async def _write_status(self, isvc: Manifest, status: Manifest) -> None:
         """Writes `status` when it differs, and posts an Event when `Ready` changes reason."""
@@ -239,21 +249,57 @@ class Reconciler:
             return
         meta = isvc["metadata"]
         patch: Manifest = {"status": {**{k: None for k in old if k not in status}, **status}}
-        path = resource_path(crd.API_VERSION, crd.PLURAL, meta["namespace"], meta["name"])
         try:
-            self._wrote(await self.client.patch(path + "/status", patch))
-        except ApiError as e:
-            if e.status == 404:
-                return  # deleted meanwhile; its DELETED event drops it
-            raise
+            self._wrote(await self.api.patch_status(isvc, patch))
+        except NotFoundError:
+            return  # deleted meanwhile; its DELETED event drops it
         before, after = ready_condition(old), ready_condition(status)
         if after is not None and (before is None or before.get("reason") != after.get("reason")):
             kind = "Normal" if after["status"] == "True" else "Warning"
             if after["reason"] == "ComponentsNotReady":
                 kind = "Normal"  # starting up or scaling is not a fault
             body = event_body(isvc, kind, after["reason"], after.get("message", ""))
-            events = resource_path("v1", "events", meta["namespace"])
             try:
-                await self.client.create(events, body)
-            except ApiError as e:  # an Event is a courtesy; never fail the pass for it
+                await self.api.create(body)
+            except ApiException as e:  # an Event is a courtesy; never fail the pass for it
                 logger.warning("could not post an Event for %s: %s", meta["name"], e)
+
+
+def controlled_by(obj: Manifest, uid: str) -> bool:
+    """Whether `obj`'s controller owner reference is the object with `uid`."""
+    return any(
+        ref.get("uid") == uid and ref.get("controller")
+        for ref in obj["metadata"].get("ownerReferences", [])
+    )
+
+
+def owns(obj: Manifest, manager: str, path: tuple[str, ...]) -> bool:
+    """Whether `manager` applied the field at `path` (in `managedFields` notation, such as
+    `("f:spec", "f:replicas")`) of `obj`."""
+    for entry in obj.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") != manager or entry.get("operation") != "Apply":
+            continue
+        node = entry.get("fieldsV1") or {}
+        for segment in path:
+            node = node.get(segment) if isinstance(node, dict) else None
+        if node is not None:
+            return True
+    return False
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """Whether `live` has every field of `desired` (extra fields in `live` are defaults or
+    belong to someone else); lists must match element by element."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(
+            key in live and contains(live[key], value) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(contains(a, b) for a, b in zip(live, desired, strict=True))
+        )
+    if isinstance(desired, int | float) and not isinstance(desired, bool) and isinstance(live, str):
+        return str(desired) == live  # the API server turns quantities like 2 into "2"
+    return bool(live == desired)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from baton.kube import ISVC_LABEL, ROLE_LABEL, SERVED_MODEL_ANNOTATION
 from baton.operator import crd
 from baton.operator.pods import ENGINE_PORT, KV_PORT, ROUTER_PORT, engine_pod, router_pod
 from baton.operator.spec import InferenceServiceSpec, Pool
@@ -20,9 +21,6 @@ NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-ISVC_LABEL = "baton.dev/inference-service"
-ROLE_LABEL = "baton.dev/role"
-SERVED_MODEL_ANNOTATION = "baton.dev/served-model-name"
 APP = "baton"
 MANAGER = "baton-operator"
 # Children get names "<isvc>-prefill" etc., which must stay valid Service names (63 characters).

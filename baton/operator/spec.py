@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from baton.operator.validation import SpecError, defaulted_spec
+from baton.roles import Role
 
 Mode = Literal["disaggregated", "aggregated"]
-PoolRole = Literal["prefill", "decode", "both"]
 MODEL_SCHEMES = ("hf", "pvc", "file")
 
 
@@ -56,7 +56,7 @@ class Autoscaling:
 class Pool:
     """One Deployment of engines with one role."""
 
-    role: PoolRole
+    role: Role
     replicas: int
     tensor_parallel_size: int
     resources: dict[str, Any] = field(default_factory=dict)
@@ -192,7 +192,7 @@ def parse_model(model: dict[str, Any]) -> ModelSource:
     return ModelSource(uri, "file", served or rest.rstrip("/").rsplit("/", 1)[-1], path=rest)
 
 
-def _pool(role: PoolRole, pool: dict[str, Any], default_tp: int) -> Pool:
+def _pool(role: Role, pool: dict[str, Any], default_tp: int) -> Pool:
     autoscaling = None
     if "autoscaling" in pool:
         a = pool["autoscaling"]

@@ -3,7 +3,7 @@ that match a label selector, in one namespace or all. The role comes from the sl
 `baton.dev/role` label (Kubernetes copies the Service's labels onto its slices) and the served
 model from the owning Service's `baton.dev/served-model-name` annotation. Keeps the `Discovery`
 contract of `discovery.py`: the full set goes to `on_change` whenever it changes, and API errors
-are logged and retried with backoff.
+are logged and retried with backoff. Talks to the API server through `baton.kube.connect`.
 """
 
 from __future__ import annotations
@@ -11,22 +11,35 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import aiohttp
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.dynamic import DynamicClient
+from kubernetes_asyncio.watch import Watch
 
-from baton.operator.kube import ApiError, KubeClient, KubeConfig, load_config, resource_path
-from baton.router.discovery import ROLES, Endpoint, OnChange, Role
+from baton.kube import (
+    ROLE_LABEL,
+    SERVED_MODEL_ANNOTATION,
+    Cluster,
+    Manifest,
+    checked,
+    connect,
+    resource,
+)
+from baton.roles import ROLES, Role
+from baton.router.discovery import Endpoint, OnChange
 
 logger = logging.getLogger(__name__)
 
-ROLE_LABEL = "baton.dev/role"
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-SERVED_MODEL_ANNOTATION = "baton.dev/served-model-name"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
+WATCH_SECONDS = 300  # the server ends each watch after this; the next one resumes from there
+REQUEST_TIMEOUT = 30.0  # seconds for one list
+
+# What a failed round raises: the API's answers, the connection, malformed objects.
+RETRIED = (ApiException, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
 
 ROLE_OF: dict[str, Role] = {role: role for role in ROLES}
 
-Manifest = dict[str, Any]
 ObjectKey = tuple[str, str]  # namespace, name
 
 
@@ -38,22 +51,23 @@ class KubernetesDiscovery:
         namespace: str | None,
         selector: Mapping[str, str],
         port_name: str = "http",
-        config: KubeConfig | None = None,
+        kubeconfig: str | None = None,
         max_backoff: float = 30.0,
     ) -> None:
         """How the router's flags map here: `--discovery kubernetes --namespace NS` gives
         `namespace="NS"`, `--all-namespaces` gives `namespace=None`, and
         `--selector k=v,k2=v2` gives `selector={"k": "v", "k2": "v2"}` (every pair must match).
         `port_name` names the EndpointSlice port of the engines' HTTP API (the operator's
-        headless Services call it "http"). `config` defaults to the in-cluster service account,
-        else `$KUBECONFIG`; the account needs get/list/watch on endpointslices and services."""
+        headless Services call it "http"). `kubeconfig` defaults to the in-cluster service
+        account, else `$KUBECONFIG` (`baton.kube.connect`); the account needs get/list/watch on
+        endpointslices and services."""
         if not selector:
             raise ValueError("Kubernetes discovery needs a label selector, e.g. app=baton")
         self.namespace = namespace
         self.selector = ",".join(f"{k}={v}" for k, v in selector.items())
         self.port_name = port_name
         self.max_backoff = max_backoff
-        self._config = config
+        self._kubeconfig = kubeconfig
         self._slices: dict[ObjectKey, Manifest] = {}
         self._models: dict[ObjectKey, str | None] = {}  # Service -> served model name
         self._published: frozenset[Endpoint] | None = None
@@ -63,58 +77,87 @@ class KubernetesDiscovery:
         self._listed: set[str] = set()
 
     async def run(self, on_change: OnChange) -> None:
-        """Lists, then watches, slices and Services until cancelled; relists after any error."""
-        config = self._config or load_config()
-        async with KubeClient(config) as client:
+        """Lists, then watches, slices and Services until cancelled; relists after any error
+        (connecting again when connecting failed)."""
+        cluster: Cluster | None = None
+        try:
             while True:
                 try:
+                    if cluster is None:
+                        cluster = await connect(self._kubeconfig)
+                    client = cluster.client
                     # Either watch failing ends both; the next round relists both.
                     async with asyncio.TaskGroup() as group:
                         group.create_task(
-                            self._follow(client, "discovery.k8s.io/v1", "endpointslices", on_change)
+                            self._follow(client, "discovery.k8s.io/v1", "EndpointSlice", on_change)
                         )
-                        group.create_task(self._follow(client, "v1", "services", on_change))
-                except* (ApiError, aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+                        group.create_task(self._follow(client, "v1", "Service", on_change))
+                except* RETRIED as e:
                     delay = min(self.max_backoff, 0.5 * 2**self._failures)
                     self._failures += 1
-                    causes = "; ".join(str(x) for x in e.exceptions)
+                    causes = "; ".join(str(x).strip() for x in e.exceptions)
                     logger.warning("Kubernetes discovery: %s; retrying in %.1fs", causes, delay)
                     await asyncio.sleep(delay)
+        finally:
+            if cluster is not None:
+                await cluster.close()
 
     async def _follow(
-        self, client: KubeClient, api_version: str, plural: str, on_change: OnChange
+        self, client: DynamicClient, api_version: str, kind: str, on_change: OnChange
     ) -> None:
         """Keeps one kind's objects current: a list, then watches from its resourceVersion."""
-        path = resource_path(api_version, plural, self.namespace)
-        listed = await client.list(path, self.selector)
+        handle = await resource(client, api_version, kind)
+        listed = await checked(
+            client.get(
+                handle,
+                namespace=self.namespace,
+                label_selector=self.selector,
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        )
         self._failures = 0
-        store = self._slices if plural == "endpointslices" else None
-        fresh = {_key(item): item for item in listed.get("items", [])}
+        store = self._slices if kind == "EndpointSlice" else None
+        fresh = {_key(item): item for item in listed.get("items") or []}
         if store is not None:
             store.clear()
             store.update(fresh)
         else:
             self._models = {key: _served_model(item) for key, item in fresh.items()}
-        self._listed.add(plural)
+        self._listed.add(kind)
         self._publish(on_change)
         version = listed["metadata"]["resourceVersion"]
         while True:
-            async for event in client.watch(path, version, self.selector):
-                obj = event["object"]
-                version = obj.get("metadata", {}).get("resourceVersion", version)
-                if event["type"] == "BOOKMARK":
-                    continue
-                key, gone = _key(obj), event["type"] == "DELETED"
-                if store is not None:
-                    if gone:
-                        store.pop(key, None)
+            # The library's watch stream: one object per line; an ERROR event (410 Gone when
+            # `version` is too old) raises ApiException, and the caller relists.
+            async with Watch() as watch:
+                events = watch.stream(
+                    client.get,
+                    handle,
+                    namespace=self.namespace,
+                    label_selector=self.selector,
+                    resource_version=version,
+                    timeout_seconds=WATCH_SECONDS,
+                    serialize=False,
+                    # (connect, read): a connection that went silent is noticed and replaced.
+                    _request_timeout=(REQUEST_TIMEOUT, WATCH_SECONDS + REQUEST_TIMEOUT),
+                )
+                async for event in events:
+                    obj = event["raw_object"]
+                    version = obj.get("metadata", {}).get("resourceVersion", version)
+                    if event["type"] == "BOOKMARK":
+                        continue
+                    key, gone = _key(obj), event["type"] == "DELETED"
+                    if store is not None:
+                        if gone:
+                            store.pop(key, None)
+                        else:
+                            store[key] = obj
+                    elif gone:
+                        self._models.pop(key, None)
                     else:
-                        store[key] = obj
-                elif gone:
-                    self._models.pop(key, None)
-                else:
-                    self._models[key] = _served_model(obj)
-                self._publish(on_change)
+                        self._models[key] = _served_model(obj)
+                    self._publish(on_change)
 
     def _publish(self, on_change: OnChange) -> None:
         if len(self._listed) < 2:

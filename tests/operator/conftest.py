@@ -3,6 +3,7 @@ running as its own process against it."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from baton.operator import crd
-from tests.operator.kmock_server import ApiServer
+from tests.support.kmock_server import ApiServer
 
 ISVC_PATH = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
@@ -36,7 +37,7 @@ class Kube:
 
     def __init__(self, server: ApiServer) -> None:
         self.server = server
-        self.http = httpx.Client(base_url=server.url, timeout=10)
+        self.http = httpx.Client(base_url=server.url, timeout=10, headers=server.headers())
 
     def apply_isvc(self, ns: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
         body = {
@@ -69,25 +70,36 @@ class Kube:
         return {o["metadata"]["name"] for o in self.server.objects(plural, ns)}
 
 
-@pytest.fixture()
-def kube(tmp_path: Path) -> Iterator[Kube]:
-    """A fresh emulated API server that serves the InferenceService CRD."""
-    server = ApiServer().start()
+@contextlib.contextmanager
+def emulated(token: str | None = None) -> Iterator[Kube]:
+    """A fresh emulated API server that serves the InferenceService CRD (and, with `token`,
+    accepts only that bearer token)."""
+    server = ApiServer(token=token).start()
     server.declare(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, ("status",))
     client = Kube(server)
-    wait_for(lambda: client.http.get(f"/apis/{crd.API_VERSION}").status_code == 200)
-    yield client
-    client.http.close()
-    server.stop()
+    try:
+        wait_for(lambda: client.http.get(f"/apis/{crd.API_VERSION}").status_code == 200)
+        yield client
+    finally:
+        client.http.close()
+        server.stop()
+
+
+@pytest.fixture()
+def kube() -> Iterator[Kube]:
+    """A fresh emulated API server that serves the InferenceService CRD."""
+    with emulated() as client:
+        yield client
 
 
 @pytest.fixture()
 def start_operator(kube: Kube, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
-    """Starts `baton operator` as a separate process against `kube`; stops it at the end."""
+    """Starts `baton operator` as a separate process against `kube` (through `kubeconfig`, by
+    default one with the server's token); stops it at the end."""
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(*args: str) -> subprocess.Popen[bytes]:
-        kubeconfig = kube.server.write_kubeconfig(tmp_path / "kubeconfig")
+    def start(*args: str, kubeconfig: Path | None = None) -> subprocess.Popen[bytes]:
+        kubeconfig = kubeconfig or kube.server.write_kubeconfig(tmp_path / "kubeconfig")
         log = (tmp_path / f"operator-{len(started)}.log").open("wb")
         command = [sys.executable, "-m", "baton.cli", "operator", "--kubeconfig", str(kubeconfig)]
         process = subprocess.Popen(

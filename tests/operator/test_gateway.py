@@ -9,10 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from baton.operator.kube import load_config
 from tests.operator.conftest import Kube, wait_for
-from tests.operator.kmock_server import endpoint_slice
 from tests.router.test_k8s_discovery import discover
+from tests.support.kmock_server import endpoint_slice
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +52,8 @@ def test_gateway_discovers_every_model(
             path = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
             assert http.post(path, json=slice_).status_code == 201
 
-    config = load_config(str(kube.server.write_kubeconfig(tmp_path / "gateway-kubeconfig")))
-    final = discover(config, None, lambda eps: len(eps) == 3)[-1]
+    kubeconfig = str(kube.server.write_kubeconfig(tmp_path / "gateway-kubeconfig"))
+    final = discover(kubeconfig, None, lambda eps: len(eps) == 3)[-1]
     assert {(e.model, e.role) for e in final} == {
         ("acme/llama", "both"),
         ("qwen-7b", "prefill"),

@@ -4,16 +4,16 @@ live updates, namespace scoping and recovery from API errors."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from baton.operator.kube import KubeConfig, load_config
 from baton.router.discovery import Endpoint
 from baton.router.k8s_discovery import KubernetesDiscovery
-from tests.operator.kmock_server import ApiServer, endpoint_slice
+from tests.support.kmock_server import ApiServer, endpoint_slice
 
 Endpoints = frozenset[Endpoint]
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
@@ -21,9 +21,10 @@ SERVICES = "/api/v1/namespaces/{ns}/services"
 
 
 @pytest.fixture()
-def api(tmp_path: Path) -> Iterator[tuple[ApiServer, KubeConfig]]:
+def api(tmp_path: Path) -> Iterator[tuple[ApiServer, str]]:
+    """The emulated API server and a kubeconfig for it."""
     server = ApiServer().start()
-    yield server, load_config(str(server.write_kubeconfig(tmp_path / "kubeconfig")))
+    yield server, str(server.write_kubeconfig(tmp_path / "kubeconfig"))
     server.stop()
 
 
@@ -42,14 +43,14 @@ def publish(server: ApiServer, svc: dict[str, Any], ready: dict[str, bool]) -> N
     import httpx
 
     ns = svc["metadata"]["namespace"]
-    with httpx.Client(base_url=server.url) as http:
+    with httpx.Client(base_url=server.url, headers=server.headers()) as http:
         assert http.post(SERVICES.format(ns=ns), json=svc).status_code == 201
         slice_ = endpoint_slice(svc, ready)
         assert http.post(SLICES.format(ns=ns), json=slice_).status_code == 201
 
 
 def discover(
-    config: KubeConfig,
+    kubeconfig: str,
     namespace: str | None,
     until: Callable[[Endpoints], bool],
     then: Callable[[], None] | None = None,
@@ -63,7 +64,7 @@ def discover(
     async def main() -> None:
         changed = asyncio.Event()
         discovery = KubernetesDiscovery(
-            namespace, selector or {"app.kubernetes.io/name": "baton"}, config=config
+            namespace, selector or {"app.kubernetes.io/name": "baton"}, kubeconfig=kubeconfig
         )
 
         def on_change(endpoints: Endpoints) -> None:
@@ -83,12 +84,14 @@ def discover(
                 await asyncio.wait_for(wait(until_after), 10)
         finally:
             task.cancel()
+            # An exec plugin's finished subprocess is closed while this loop still runs.
+            gc.collect()
 
     asyncio.run(main())
     return seen
 
 
-def test_ready_endpoints_carry_role_and_model(api: tuple[ApiServer, KubeConfig]) -> None:
+def test_ready_endpoints_carry_role_and_model(api: tuple[ApiServer, str]) -> None:
     """Ready endpoints become engines with the slice's role and the Service's model; unready
     ones and Services without a role (the router's own) are left out."""
     server, config = api
@@ -104,7 +107,7 @@ def test_ready_endpoints_carry_role_and_model(api: tuple[ApiServer, KubeConfig])
     }
 
 
-def test_changes_are_published_as_full_sets(api: tuple[ApiServer, KubeConfig]) -> None:
+def test_changes_are_published_as_full_sets(api: tuple[ApiServer, str]) -> None:
     """An endpoint becoming ready after start shows up in the next full set."""
     server, config = api
     svc = service("a", "qwen", "both", "qwen")
@@ -127,7 +130,7 @@ def test_changes_are_published_as_full_sets(api: tuple[ApiServer, KubeConfig]) -
     }
 
 
-def test_namespace_scope(api: tuple[ApiServer, KubeConfig]) -> None:
+def test_namespace_scope(api: tuple[ApiServer, str]) -> None:
     """A namespaced discovery sees only its namespace; a cluster-wide one sees every model."""
     server, config = api
     publish(server, service("a", "llama", "both", "llama"), {"10.0.0.1": True})
@@ -138,7 +141,7 @@ def test_namespace_scope(api: tuple[ApiServer, KubeConfig]) -> None:
     assert {e.model for e in everywhere} == {"llama", "qwen"}
 
 
-def test_api_errors_are_retried(api: tuple[ApiServer, KubeConfig]) -> None:
+def test_api_errors_are_retried(api: tuple[ApiServer, str]) -> None:
     """Failing API calls are logged and retried until discovery gets through."""
     server, config = api
     publish(server, service("a", "llama", "both", "llama"), {"10.0.0.1": True})

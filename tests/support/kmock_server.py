@@ -7,7 +7,9 @@ garbage collection, answers a failed JSON-patch `test` with 500, and its watch c
 between its snapshot and its subscription. This subclass keeps kmock's discovery, request parsing
 and HTTP server and replaces its object handling with an event log: every change gets the next
 resourceVersion and is appended to the log, so a watch from any resourceVersion replays exactly
-what it missed. `ApiServer` runs it on 127.0.0.1 in a background thread for synchronous tests.
+what it missed. Server-side apply (`application/apply-patch+yaml`) merges and tracks field owners
+as `server_side_apply.py` describes; with a `token`, every request must carry it as a bearer
+token or gets 401. `ApiServer` runs it on 127.0.0.1 in a background thread for synchronous tests.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from typing import Any
 import aiohttp.web
 import jsonpatch
 import kmock
+import yaml
 from kmock._internal import rendering  # the parsed request type; kmock exports no public alias
+
+from tests.support import server_side_apply
 
 Key = tuple[str, str, str, str | None, str]  # group, version, plural, namespace, name
 
@@ -58,6 +63,7 @@ BUILTIN_RESOURCES: dict[tuple[str, str, str], tuple[str, bool, tuple[str, ...]]]
     ),
 }
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
+APPLY_PATCH = "application/apply-patch+yaml"
 
 
 class ApiError(Exception):
@@ -100,6 +106,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         self.fail_next = 0  # answer this many more resource requests with 500 (fault injection)
         self.created: dict[Key, float] = {}  # time.monotonic() of each creation, for benchmarks
         self.uids: set[str] = set()  # of stored objects, for the garbage collector
+        self.token: str | None = None  # when set, the only bearer token accepted
+        self.refused = 0  # requests answered 401
         for (group, version, plural), info in BUILTIN_RESOURCES.items():
             self.declare(group, version, plural, *info)
 
@@ -121,6 +129,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     # -- request dispatch ------------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if self.token is not None and request.headers.get("Authorization") != (
+            f"Bearer {self.token}"
+        ):
+            self.refused += 1
+            return _status(ApiError(401, "Unauthorized", "Unauthorized"))
         res = request.resource
         if res is None or not res.plural or (res.group, res.version, res.plural) not in self.kinds:
             return await super()._handle(request)
@@ -129,7 +142,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             if self.fail_next > 0:
                 self.fail_next -= 1
                 raise ApiError(500, "InternalError", "injected failure")
-            if request.action == kmock.action.WATCH:
+            # kmock knows only `watch=true`; the API server reads any Go boolean (`watch=True`).
+            if request.method.value == "GET" and _true(request.params.get("watch")):
                 return await self._watch(request, rkey)
             method = request.method.value
             if method == "GET" and request.name is None:
@@ -139,17 +153,17 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             async with self.changed:
                 if method == "POST":
                     return _json(self._create(rkey, request.namespace, request.data), 201)
+                key = (*rkey, request.namespace, request.name or "")
+                if _content_type(request) == APPLY_PATCH and key not in self.store:
+                    created = self._create(rkey, request.namespace, self._applied(request, None))
+                    return _json(created, 201)
                 if method in ("PATCH", "PUT"):
                     return _json(self._update(request, rkey))
                 if method == "DELETE":
                     return _json(self._delete(rkey, request.namespace, request.name))
             raise ApiError(405, "MethodNotAllowed", f"{method} is not served")
         except ApiError as e:
-            return _json(
-                {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": e.code}
-                | {"reason": e.reason, "message": e.message},
-                e.code,
-            )
+            return _status(e)
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -255,10 +269,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     def _update(self, request: rendering.Request, rkey: tuple[str, str, str]) -> dict:
         key = (*rkey, request.namespace, request.name or "")
         old = self._fetch(rkey, request.namespace, request.name)
-        content_type = request.headers.get("Content-Type", "").split(";")[0]
+        content_type = _content_type(request)
         body = request.data
         try:
-            if request.method.value == "PUT":
+            if content_type == APPLY_PATCH:
+                new = self._applied(request, old)
+            elif request.method.value == "PUT":
                 new = copy.deepcopy(body)
             elif content_type == "application/json-patch+json":
                 new = jsonpatch.apply_patch(old, body, in_place=False)
@@ -296,6 +312,20 @@ class ApiServerEmulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             return self._remove(key)
         self._emit(rkey, "MODIFIED", new)
         return new
+
+    def _applied(self, request: rendering.Request, live: dict | None) -> dict:
+        """The object after the request's server-side apply to `live`."""
+        body = request.data if request.data is not None else yaml.safe_load(request.text or "")
+        manager = request.params.get("fieldManager")
+        if not manager:
+            raise ApiError(422, "Invalid", "fieldManager is required for apply patches")
+        if not isinstance(body, dict) or (body.get("metadata") or {}).get("name") != request.name:
+            raise ApiError(400, "BadRequest", "the applied object must name the object patched")
+        try:
+            force = _true(request.params.get("force"))
+            return server_side_apply.apply(live, body, manager, force)
+        except server_side_apply.Conflict as e:
+            raise ApiError(409, "Conflict", str(e)) from e
 
     def _delete(self, rkey: tuple[str, str, str], ns: str | None, name: str | None) -> dict:
         obj = self._fetch(rkey, ns, name)
@@ -347,11 +377,29 @@ def _json(payload: dict, status: int = 200) -> aiohttp.web.Response:
     return aiohttp.web.json_response(payload, status=status)
 
 
+def _status(error: ApiError) -> aiohttp.web.Response:
+    return _json(
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": error.code}
+        | {"reason": error.reason, "message": error.message},
+        error.code,
+    )
+
+
+def _true(value: str | None) -> bool:
+    """A query parameter as Go's strconv.ParseBool reads it."""
+    return value in ("1", "t", "T", "true", "TRUE", "True")
+
+
+def _content_type(request: rendering.Request) -> str:
+    return str(request.headers.get("Content-Type", "")).split(";")[0].strip()
+
+
 class ApiServer:
     """The emulator served on a free 127.0.0.1 port from a background thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str | None = None) -> None:
         self.handler = ApiServerEmulator()
+        self.handler.token = token
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -384,13 +432,25 @@ class ApiServer:
         """`ApiServerEmulator.declare`, from the test's thread."""
         self.loop.call_soon_threadsafe(self.handler.declare, *args)
 
-    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
-        """A kubeconfig file that points at this server with a dummy token."""
+    @property
+    def token(self) -> str | None:
+        return self.handler.token
+
+    def headers(self) -> dict[str, str]:
+        """What a test's own HTTP client sends to be let in."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def write_kubeconfig(
+        self, path: Path, namespace: str = "default", user: dict[str, Any] | None = None
+    ) -> Path:
+        """A kubeconfig file that points at this server, as `user` (default: the server's token,
+        or a dummy one)."""
+        user = user if user is not None else {"token": self.token or "test-token"}
         config = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "kmock", "user": {"token": "test-token"}}],
+            "users": [{"name": "kmock", "user": user}],
             "contexts": [
                 {
                     "name": "kmock",
