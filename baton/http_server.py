@@ -164,7 +164,7 @@ class HTTPServer:
 
     @property
     def started(self) -> bool:
-        """Whether it got as far as listening (False when, e.g., the port was taken)."""
+        """Whether it got as far as listening (False when the lifespan start-up failed)."""
         return bool(self._uvicorn.started)
 
     @property
@@ -172,7 +172,8 @@ class HTTPServer:
         return bool(self._uvicorn.should_exit)
 
     async def serve(self) -> None:
-        """Serves until `stop`; returns at once (with `started` False) if it cannot listen."""
+        """Serves until `stop`. When it cannot bind, uvicorn raises SystemExit (code 3); when
+        the app's lifespan start-up fails, it returns at once with `started` False."""
         await self._uvicorn.serve()
 
     def stop(self, *, force: bool = False) -> None:

@@ -236,7 +236,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     try:
         with http.handle_signals(on_signal):
             await asyncio.wait({serving, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if serving.done():  # uvicorn could not start (port taken, ...)
+            if serving.done():  # uvicorn ended on its own: it could not start
                 serving.result()
                 return 1
             if llm.dead_error is not None:
