@@ -4,25 +4,44 @@ OpenAI-compatible engine server), `baton router`, `baton operator`, `baton tiny-
 
 Each subcommand lives in the module that implements it, as a pair `add_args(parser)` and
 `run(args) -> int`; only the chosen one is imported, so `baton router` and `baton operator` never
-import torch.
+import torch. `from_args` turns their flags into their config dataclasses.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import sys
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    Config = TypeVar("Config", bound=DataclassInstance)
 
 # name -> (module with add_args/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("baton.serve", "run a router and prefill and decode engines on this machine"),
-    "engine": ("baton.engine.api.server", "serve one model over an OpenAI-compatible HTTP API"),
+    "engine": ("baton.engine.api.cli", "serve one model over an OpenAI-compatible HTTP API"),
     "router": ("baton.router.cli", "the cluster-wide OpenAI endpoint in front of engines"),
     "operator": ("baton.operator.cli", "the Kubernetes operator for InferenceService resources"),
     "tiny-model": ("baton.engine.models.tiny", "write a deterministic random Hugging Face model"),
     "demo": ("baton.engine.demo", "offline generation on a model (default: the built-in one)"),
 }
+
+
+def from_args(cls: type[Config], args: argparse.Namespace, **overrides: Any) -> Config:
+    """A `cls` whose fields take the values of the flags of the same name (dest) in `args`;
+    `overrides` for fields whose flag has another name or meaning. Fields without a flag keep
+    their defaults. ValueError if the config refuses the values."""
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in overrides and hasattr(args, f.name)
+    }
+    return cls(**values, **overrides)
 
 
 def _chosen(argv: list[str]) -> str | None:

@@ -50,7 +50,7 @@ def _say(message: str) -> None:
 
 def _engine_parser() -> argparse.ArgumentParser:
     """The engine's own parser (imported here: it loads torch, and only serve needs it)."""
-    from baton.engine.api.server import add_server_args
+    from baton.engine.api.cli import add_server_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_server_args(parser)

@@ -94,9 +94,10 @@ def main() -> None:
                 cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
                 if b"resource_tracker" not in cmdline:  # multiprocessing's, in older checkouts
                     rows.append(_measure("engine core", child))
+            engine_url = f"http://127.0.0.1:{engine_port}"
+            router_cmd = [*baton, "router", "--port", str(router_port), "--engine", engine_url]
             router = subprocess.Popen(
-                [*baton, "router", "--host", "127.0.0.1", "--port", str(router_port)]
-                + ["--engine", f"http://127.0.0.1:{engine_port}"],
+                [*router_cmd, "--host", "127.0.0.1"],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
@@ -110,9 +111,8 @@ def main() -> None:
                     proc.wait(30)
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for row in rows:
-        print(
-            f"{checkout}  {row['process']:<18} RSS {row['rss_mib']:>7} MiB  libtorch {row['libtorch']}"
-        )
+        name, rss, torch = row["process"], row["rss_mib"], row["libtorch"]
+        print(f"{checkout}  {name:<18} RSS {rss:>7} MiB  libtorch {torch}")
     if args.json:
         Path(args.json).write_text(json.dumps({"checkout": checkout, "rows": rows}, indent=2))
 

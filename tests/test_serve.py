@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from baton import serve
-from baton.engine.api.server import add_server_args
+from baton.engine.api.cli import add_server_args
 from tests.router.harness import free_port, scrape
 
 pytestmark = pytest.mark.slow

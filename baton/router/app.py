@@ -15,15 +15,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from baton.http_server import CLIENT_CLOSED, ClientGone
 from baton.router.discovery import Discovery
 from baton.router.errors import RouterError
 from baton.router.metrics import CONTENT_TYPE
-from baton.router.router import ClientGone, Router
+from baton.router.router import Router
 
 logger = logging.getLogger(__name__)
-
-# What a client that left before its answer is logged with (nginx's code); nobody reads it.
-_CLIENT_CLOSED = 499
 
 
 def _json(body: object, status: int = 200) -> Response:
@@ -56,7 +54,7 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
         except RouterError as e:
             response = e.response()
         except ClientGone:
-            response = Response(status_code=_CLIENT_CLOSED)
+            response = Response(status_code=CLIENT_CLOSED)
         metrics.request(route, response.status_code)
         return response
 

@@ -7,25 +7,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import Any
 
+from baton.cli import from_args
+from baton.http_server import ListenConfig, add_listen_args
 from baton.router.config import POLICIES, RouterConfig
 from baton.router.discovery import Discovery, Endpoint, StaticDiscovery
-from baton.router.server import ListenConfig, serve
-
-logger = logging.getLogger(__name__)
-
-# Flags that only `baton router` has: where it listens and how it finds engines.
-DISCOVERY_FLAGS = (
-    "--prefill",
-    "--decode",
-    "--engine",
-    "--discovery",
-    "--namespace",
-    "--all-namespaces",
-    "--selector",
-)
+from baton.router.server import serve
 
 
 def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
@@ -90,16 +78,9 @@ def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """`baton router`'s flags."""
-    listen = ListenConfig
-    parser.add_argument("--host", default=listen.host)
-    parser.add_argument("--port", type=int, default=listen.port)
-    parser.add_argument("--router-shutdown-timeout", type=float, default=listen.shutdown_timeout)
+    add_listen_args(parser, ListenConfig)
     parser.add_argument(
-        "--request-read-timeout",
-        type=float,
-        default=listen.request_read_timeout,
-        help="seconds a client has to send a whole request (headers and body); slower "
-        "connections are closed",
+        "--router-shutdown-timeout", type=float, default=ListenConfig.shutdown_timeout
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -130,26 +111,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The `RouterConfig` of `add_routing_args`' flags; ValueError if invalid."""
     policy = args.policy or RouterConfig.decode_policy
-    return RouterConfig(
+    return from_args(
+        RouterConfig,
+        args,
         prefill_policy=args.prefill_policy or policy,
         decode_policy=args.decode_policy or policy,
-        prefix_load_weight=args.prefix_load_weight,
-        prefix_block_chars=args.prefix_block_chars,
-        prefix_index_blocks=args.prefix_index_blocks,
-        session_affinity=args.session_affinity,
-        disagg_min_tokens=args.disagg_min_tokens,
-        disagg_cached_fraction=args.disagg_cached_fraction,
-        chars_per_token=args.chars_per_token,
-        on_no_prefill=args.on_no_prefill,
-        max_retries=args.max_retries,
-        request_timeout=args.request_timeout,
-        connect_timeout=args.connect_timeout,
-        max_connections=args.max_connections,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        eject_after_failures=args.eject_after_failures,
-        eject_seconds=args.eject_seconds,
-        max_body_bytes=args.max_body_bytes,
     )
 
 
@@ -187,13 +153,8 @@ def discovery_from_args(args: argparse.Namespace) -> Discovery:
 
 
 def listen_from_args(args: argparse.Namespace) -> ListenConfig:
-    return ListenConfig(
-        host=args.host,
-        port=args.port,
-        shutdown_timeout=args.router_shutdown_timeout,
-        request_read_timeout=args.request_read_timeout,
-        access_log=args.access_log,
-    )
+    """Where `baton router` listens (its shutdown flag is named apart from the engines')."""
+    return from_args(ListenConfig, args, shutdown_timeout=args.router_shutdown_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

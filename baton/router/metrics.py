@@ -103,22 +103,19 @@ class RouterMetrics:
             registry=reg,
         )
         self._disagg = {o: disagg.labels(o) for o in DISAGG_OUTCOMES}
-        duration = Histogram(
+
+        def latency(name: str, doc: str) -> dict[str, Histogram]:
+            histogram = Histogram(name, doc, ["route"], registry=reg, buckets=_LATENCY_BUCKETS)
+            return {r: histogram.labels(r) for r in ROUTES}
+
+        self._duration = latency(
             "baton:router_request_duration_seconds",
             "From the request's arrival to the end of its response, by route.",
-            ["route"],
-            registry=reg,
-            buckets=_LATENCY_BUCKETS,
         )
-        self._duration = {r: duration.labels(r) for r in ROUTES}
-        first_byte = Histogram(
+        self._first_byte = latency(
             "baton:router_time_to_first_byte_seconds",
             "From the request's arrival to the first byte of the answering engine, by route.",
-            ["route"],
-            registry=reg,
-            buckets=_LATENCY_BUCKETS,
         )
-        self._first_byte = {r: first_byte.labels(r) for r in ROUTES}
 
     def request(self, route: str, code: int) -> None:
         self._requests.labels(route, str(code)).inc()
@@ -136,14 +133,16 @@ class RouterMetrics:
         self._disagg[outcome].inc()
 
     def duration(self, route: str, seconds: float) -> None:
-        histogram = self._duration.get(route)
-        if histogram is not None:
-            histogram.observe(seconds)
+        _observe(self._duration, route, seconds)
 
     def first_byte(self, route: str, seconds: float) -> None:
-        histogram = self._first_byte.get(route)
-        if histogram is not None:
-            histogram.observe(seconds)
+        _observe(self._first_byte, route, seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _observe(by_route: dict[str, Histogram], route: str, seconds: float) -> None:
+    histogram = by_route.get(route)  # only `ROUTES` have one
+    if histogram is not None:
+        histogram.observe(seconds)

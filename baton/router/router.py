@@ -21,6 +21,7 @@ import aiohttp
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from baton.http_server import ClientGone, cancel_on_disconnect
 from baton.roles import Role
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, Endpoint
@@ -327,29 +328,3 @@ class Router:
             }
             for s in self.engines
         ]
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-async def cancel_on_disconnect(request: Request, work: Any) -> Any:
-    """Awaits `work`, cancelling it if the client disconnects first (then raises ClientGone)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watcher.cancel()
-    if task.cancelled() or not task.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ClientGone()
-    return task.result()

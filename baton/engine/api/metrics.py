@@ -38,6 +38,8 @@ _KV_USAGE_DOC = "KV-cache usage. 1 means 100 percent usage."
 _QUERIES_DOC = "Prefix cache queries, in terms of number of queried tokens."
 _HITS_DOC = "Prefix cache hits, in terms of number of cached tokens."
 _PREEMPTIONS_DOC = "Cumulative number of preemption from the engine."
+_LEASED_DOC = "KV blocks held for decode engines to pull (prefill side)."
+_EXPIRED_DOC = "KV leases that expired before a decode engine claimed them."
 
 
 class _EngineStatsCollector(Collector):
@@ -49,36 +51,23 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
-        for name, doc, value in (
+        gauges = (
             ("vllm:num_requests_running", _RUNNING_DOC, s.num_running),
             ("vllm:num_requests_waiting", _WAITING_DOC, s.num_waiting),
             ("vllm:kv_cache_usage_perc", _KV_USAGE_DOC, s.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=_LABELS)
-            gauge.add_metric(self._labels, float(value))
-            yield gauge
-        for name, doc, value in (
+            ("baton:kv_blocks_leased", _LEASED_DOC, s.kv_blocks_leased),
+        )
+        counters = (
             ("vllm:prefix_cache_queries", _QUERIES_DOC, s.prefix_cache_queries),
             ("vllm:prefix_cache_hits", _HITS_DOC, s.prefix_cache_hits),
             ("vllm:num_preemptions", _PREEMPTIONS_DOC, s.num_preemptions),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=_LABELS)
-            counter.add_metric(self._labels, float(value))
-            yield counter
-        leased = GaugeMetricFamily(
-            "baton:kv_blocks_leased",
-            "KV blocks held for decode engines to pull (prefill side).",
-            labels=_LABELS,
+            ("baton:kv_lease_expired", _EXPIRED_DOC, s.kv_leases_expired),
         )
-        leased.add_metric(self._labels, float(s.kv_blocks_leased))
-        yield leased
-        expired = CounterMetricFamily(
-            "baton:kv_lease_expired",
-            "KV leases that expired before a decode engine claimed them.",
-            labels=_LABELS,
-        )
-        expired.add_metric(self._labels, float(s.kv_leases_expired))
-        yield expired
+        for family, metrics in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in metrics:
+                metric = family(name, doc, labels=_LABELS)
+                metric.add_metric(self._labels, float(value))
+                yield metric
 
 
 class EngineMetrics:

@@ -1,17 +1,15 @@
 """One request's streams from the engine: a prompt's snapshots with their metrics, the merge and
-collection of several prompts, and the responses that abort the engine's requests however the
-client goes away (an event stream that ends early, a disconnect before the answer).
+collection of several prompts, and the event stream that aborts the engine's requests however it
+ends (a client that leaves before a whole answer is `baton.http_server.cancel_on_disconnect`'s).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import cast
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from baton.engine.api import protocol as p
@@ -150,25 +148,3 @@ def cleanup_for(
             release()
 
     return cleanup
-
-
-async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Runs `work`, cancelling it if the client disconnects first (its engine requests abort)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    listener = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        listener.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return Response(status_code=499)  # nobody is listening
-    return task.result()

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.engine.layers.attention import AttentionBackend, AttentionMetadata
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.tensor_parallel import ShardLayout, TensorParallel, VocabParallelEmbedding
-from baton.engine.worker.attention import AttentionBackend, AttentionMetadata
 
 
 class RMSNorm(nn.Module):

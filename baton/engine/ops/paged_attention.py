@@ -22,19 +22,18 @@ the first launch, provided nothing else imported triton earlier.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import Any, NamedTuple
 
 import torch
 
-# triton.language, bound by _jit on first launch: importing this module does not import triton
-# (slow, optional on CPU, and TRITON_INTERPRET must be set before triton's first import).
+from baton.engine.ops.launch import SUPPORTED_DTYPES, check_kv_cache, jit, next_power_of_2
+
+# triton.language, bound by `launch.jit` on first launch (this module imports without triton).
 tl: Any = None
 
 __all__ = ["choose_num_splits", "paged_attention", "paged_attention_reference"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _LOG2_E = 1.4426950408889634
 
@@ -234,30 +233,6 @@ def _paged_attention_reduce_kernel(
     )
 
 
-@functools.cache
-def _jit(kernel: Any) -> Any:
-    """Import triton and jit ``kernel``, once, on first use (TRITON_INTERPRET is read here)."""
-    global tl
-    try:
-        import triton
-        import triton.language
-    except ImportError as e:
-        raise RuntimeError(
-            "paged_attention needs triton; install it (pip install triton) "
-            "or use paged_attention_reference"
-        ) from e
-    tl = triton.language
-    # Ints that change from call to call (batch size, layer) must not be specialised on
-    # (value 1, multiples of 16): every new combination would compile the kernel again.
-    params = inspect.signature(kernel).parameters
-    varying = [name for name in ("batch", "layer", "num_slots") if name in params]
-    return triton.jit(kernel, do_not_specialize=varying)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def choose_num_splits(num_q_blocks: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """How many pieces to split each q-block's key range into (flash-decoding).
 
@@ -290,8 +265,8 @@ def _launch_config(num_queries_per_kv: int, head_dim: int, max_query_len: int) -
     tl.dot needs at least 16 rows, which a GQA decode fills with its query heads. Prompt chunks
     get taller tiles (and more warps) so each K/V tile loaded serves more query rows.
     """
-    head_dim_padded = max(16, _next_power_of_2(head_dim))
-    group = _next_power_of_2(num_queries_per_kv)
+    head_dim_padded = max(16, next_power_of_2(head_dim))
+    group = next_power_of_2(num_queries_per_kv)
     if max_query_len > 1:
         tile_n = 64 if head_dim_padded <= 128 else 16
         return _LaunchConfig(max(64, group), tile_n, head_dim_padded, num_warps=8)
@@ -315,12 +290,8 @@ def _check_inputs(
     block_tables: torch.Tensor,
     out: torch.Tensor | None,
 ) -> None:
-    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-        raise ValueError(
-            "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(kv_cache.shape)}"
-        )
-    _, num_layers, _, _, num_kv_heads, head_dim = kv_cache.shape
+    check_kv_cache(kv_cache, layer)
+    _, _, _, _, num_kv_heads, head_dim = kv_cache.shape
     if query.dim() != 3 or query.shape[2] != head_dim:
         raise ValueError(
             f"query must be [num_tokens, num_heads, head_dim={head_dim}], got {tuple(query.shape)}"
@@ -330,10 +301,8 @@ def _check_inputs(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if head_dim > _MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} exceeds the supported maximum {_MAX_HEAD_DIM}")
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"layer {layer} out of range for a cache with {num_layers} layers")
-    if query.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"query dtype {query.dtype} not in {_SUPPORTED_DTYPES}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} not in {SUPPORTED_DTYPES}")
     if kv_cache.dtype != query.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from query dtype {query.dtype}")
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -372,10 +341,6 @@ def _check_inputs(
             raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
     if query.shape[0] > 0 and query.stride(2) != 1:
         raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
-    if kv_cache.stride(5) != 1:
-        raise ValueError(
-            f"kv_cache must be contiguous in head_dim, got strides {kv_cache.stride()}"
-        )
     if out is not None:
         if out.shape != query.shape or out.dtype != query.dtype:
             raise ValueError(
@@ -417,7 +382,7 @@ def paged_attention(
     batch = seq_lens.shape[0]
     if batch == 0 or num_tokens == 0:
         return out
-    attention_kernel = _jit(_paged_attention_kernel)
+    attention_kernel = jit(_paged_attention_kernel)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_seq_len is None:
@@ -483,7 +448,7 @@ def paged_attention(
         num_warps=config.num_warps,
     )
     if num_splits > 1:
-        _jit(_paged_attention_reduce_kernel)[(num_tokens, num_heads)](
+        jit(_paged_attention_reduce_kernel)[(num_tokens, num_heads)](
             out,
             partial_out,
             partial_max,
@@ -495,7 +460,7 @@ def paged_attention(
             out.stride(0),
             out.stride(1),
             NUM_SPLITS=num_splits,
-            SPLITS_PADDED=_next_power_of_2(num_splits),
+            SPLITS_PADDED=next_power_of_2(num_splits),
             HEAD_DIM_PADDED=config.head_dim_padded,
         )
     return out

@@ -11,19 +11,17 @@ the first launch, provided nothing else imported triton earlier.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import torch
 
-# triton.language, bound by _jit on first launch: importing this module does not import triton
-# (slow, optional on CPU, and TRITON_INTERPRET must be set before triton's first import).
+from baton.engine.ops.launch import check_kv_cache, jit, next_power_of_2
+
+# triton.language, bound by `launch.jit` on first launch (this module imports without triton).
 tl: Any = None
 
 __all__ = ["reshape_and_cache", "reshape_and_cache_reference"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of one K (or V) tile a program moves; bounds registers when num_kv_heads is large.
 _MAX_TILE_ELEMENTS = 4096
 
@@ -84,30 +82,6 @@ def _reshape_and_cache_kernel(
     tl.store(kv_cache_ptr + cache_offs + stride_cache_kv, value, mask=mask)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.cache
-def _jit(kernel: Any) -> Any:
-    """Import triton and jit ``kernel``, once, on first use (TRITON_INTERPRET is read here)."""
-    global tl
-    try:
-        import triton
-        import triton.language
-    except ImportError as e:
-        raise RuntimeError(
-            "reshape_and_cache needs triton; install it (pip install triton) "
-            "or use reshape_and_cache_reference"
-        ) from e
-    tl = triton.language
-    # Ints that change from call to call (batch size, layer) must not be specialised on
-    # (value 1, multiples of 16): every new combination would compile the kernel again.
-    params = inspect.signature(kernel).parameters
-    varying = [name for name in ("batch", "layer", "num_slots") if name in params]
-    return triton.jit(kernel, do_not_specialize=varying)
-
-
 def _check_inputs(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -115,14 +89,8 @@ def _check_inputs(
     layer: int,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-        raise ValueError(
-            "kv_cache must be [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
-            f"got shape {tuple(kv_cache.shape)}"
-        )
-    _, num_layers, _, _, num_kv_heads, head_dim = kv_cache.shape
-    if not 0 <= layer < num_layers:
-        raise ValueError(f"layer {layer} out of range for a cache with {num_layers} layers")
+    check_kv_cache(kv_cache, layer)
+    _, _, _, _, num_kv_heads, head_dim = kv_cache.shape
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(
@@ -137,12 +105,6 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous in head_dim, got strides {t.stride()}")
     if key.shape[0] != value.shape[0]:
         raise ValueError(f"key has {key.shape[0]} tokens but value has {value.shape[0]}")
-    if kv_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {_SUPPORTED_DTYPES}")
-    if kv_cache.stride(5) != 1:
-        raise ValueError(
-            f"kv_cache must be contiguous in head_dim, got strides {kv_cache.stride()}"
-        )
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
             f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
@@ -172,9 +134,9 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     num_blocks, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    kernel = _jit(_reshape_and_cache_kernel)
-    block_d = _next_power_of_2(head_dim)
-    block_h = min(_next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
+    kernel = jit(_reshape_and_cache_kernel)
+    block_d = next_power_of_2(head_dim)
+    block_h = min(next_power_of_2(num_kv_heads), max(1, _MAX_TILE_ELEMENTS // block_d))
     grid = (num_tokens, (num_kv_heads + block_h - 1) // block_h)
     kernel[grid](
         key,

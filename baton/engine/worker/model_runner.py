@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.engine.layers.attention import AttentionMetadata, make_attention_backend
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.loader import load_model
 from baton.engine.models.tensor_parallel import TensorParallel
 from baton.engine.protocol import LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.attention import AttentionMetadata, make_attention_backend
 from baton.engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)

@@ -54,14 +54,14 @@ def engine_core_pid(server_pid: int) -> int:
 
 
 class Server:
-    """`python -m baton.engine.api.server` on a free port; its output goes to a log file."""
+    """`python -m baton.engine.api.cli` on a free port; its output goes to a log file."""
 
     def __init__(self, model: Path, log: Path, *flags: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         cmd = [
-            sys.executable, "-m", "baton.engine.api.server",
+            sys.executable, "-m", "baton.engine.api.cli",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME,
             "--disable-uvicorn-access-log", "--log-level", "WARNING", *flags,

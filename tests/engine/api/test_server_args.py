@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from baton.engine.api.server import add_server_args, configs_from_args
+from baton.engine.api.cli import add_server_args, configs_from_args
 
 
 def _parse(*argv: str) -> argparse.Namespace:

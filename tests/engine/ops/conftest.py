@@ -64,12 +64,13 @@ def _seed() -> Iterator[None]:
 # (tl.cdiv, tl.max...) are interpreter wrappers that the compiler cannot inline.
 _COMPILE_SCRIPT = """
 import importlib, json, sys
+from baton.engine.ops.launch import jit
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 for job in json.loads(sys.stdin.read()):
     module = importlib.import_module(job["module"])
-    fn = module._jit(getattr(module, job["kernel"]))  # a JITFunction: no interpreter here
+    fn = jit(getattr(module, job["kernel"]))  # a JITFunction: no interpreter here
     signature = {}
     for name in fn.arg_names:
         if name in job["constexprs"]:
@@ -87,7 +88,7 @@ for job in json.loads(sys.stdin.read()):
 def _compile_for_hopper(jobs: list[dict[str, Any]]) -> None:
     """Compile Baton kernels for sm_90 with Triton's bundled ptxas in a subprocess; no GPU needed.
 
-    Each job names ``module``, ``kernel`` (the undecorated function, which the module's ``_jit``
+    Each job names ``module``, ``kernel`` (the undecorated function, which ``launch.jit``
     decorates), ``pointers`` (argument name to element type, "fp16", "i32"...), ``constexprs``
     and ``num_warps``; ``qk_scale`` is fp32 and other arguments i32. Skips where this Triton has
     no bundled ptxas.

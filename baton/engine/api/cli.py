@@ -1,0 +1,143 @@
+"""`baton engine`: the engine server's flags (vLLM's names), and the `EngineArgs` and
+`ServerConfig` they make; `python -m baton.engine.api.cli` runs the server on its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from baton.cli import from_args
+from baton.engine.api.server import ServerConfig, serve
+from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
+from baton.http_server import add_listen_args
+from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
+from baton.kv_transfer.params import FAILURE_POLICIES
+from baton.roles import ROLES
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The engine server's flags, under vLLM's names."""
+    e, s = EngineArgs, ServerConfig
+    parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    parser.add_argument("--tokenizer", default=None)
+    add_listen_args(parser, s)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--max-model-len", type=int, default=e.max_model_len)
+    parser.add_argument("--block-size", type=int, default=e.block_size)
+    parser.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=e.enable_prefix_caching,
+    )
+    parser.add_argument("--dtype", default=e.dtype)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=e.num_gpu_blocks_override)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=e.kv_cache_memory_bytes)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
+    parser.add_argument("--seed", type=int, default=e.seed)
+    parser.add_argument("--scheduling-policy", default=e.scheduling_policy)
+    parser.add_argument("--device", default=e.device)
+    parser.add_argument("--attention-backend", default=e.attention_backend)
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=e.async_scheduling
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=e.tensor_parallel_size,
+        help="worker processes, one per rank (one per GPU), that split the model's heads",
+    )
+    parser.add_argument(
+        "--distributed-executor-backend",
+        choices=EXECUTOR_BACKENDS,
+        default=e.distributed_executor_backend,
+        help="uni: the model in the engine core process; mp: worker processes (default: uni "
+        "for --tensor-parallel-size 1, mp above)",
+    )
+    parser.add_argument("--max-waiting-requests", type=int, default=s.max_waiting_requests)
+    parser.add_argument("--max-body-bytes", type=int, default=s.max_body_bytes)
+    parser.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout)
+    parser.add_argument("--uvicorn-log-level", default=s.uvicorn_log_level)
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    k = KVTransferConfig
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="prefill: answers do_remote_decode requests and leases their KV; decode: pulls "
+        "KV for do_remote_prefill requests; both: serves alone (with --kv-transport, both)",
+    )
+    parser.add_argument(
+        "--kv-transport",
+        choices=TRANSPORTS,
+        default=None,
+        help="how KV blocks move between engines (default tcp for prefill/decode roles; nixl "
+        "falls back to tcp, with a warning, when the nixl package cannot be imported)",
+    )
+    parser.add_argument("--kv-host", default=None, help="KV server bind address (default --host)")
+    parser.add_argument("--kv-port", type=int, default=k.port, help="KV server port (0: free)")
+    parser.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        help="address decode engines reach this engine's KV server at (default: --kv-host, or "
+        "127.0.0.1 when that is 0.0.0.0)",
+    )
+    parser.add_argument("--kv-lease-seconds", type=float, default=k.lease_seconds)
+    parser.add_argument("--kv-load-timeout", type=float, default=k.load_timeout)
+    parser.add_argument(
+        "--kv-load-failure-policy", choices=FAILURE_POLICIES, default=k.load_failure_policy
+    )
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
+    """`EngineArgs` and `ServerConfig` from `add_server_args`' flags; ValueError if invalid."""
+    engine = from_args(EngineArgs, args, kv_transfer=_kv_transfer_config(args))
+    server = from_args(ServerConfig, args, access_log=not args.disable_uvicorn_access_log)
+    return engine, server
+
+
+def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
+    """The KV connector's config; None for an aggregated engine that asked for no transport."""
+    if args.role == "both" and args.kv_transport is None:
+        return None
+    host = args.kv_host or args.host
+    advertise = args.kv_advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
+    return KVTransferConfig(
+        role=args.role,
+        transport=args.kv_transport or "tcp",
+        host=host,
+        port=args.kv_port,
+        advertise_host=advertise,
+        lease_seconds=args.kv_lease_seconds,
+        load_timeout=args.kv_load_timeout,
+        load_failure_policy=args.kv_load_failure_policy,
+    )
+
+
+add_args = add_server_args  # the name `baton.cli` looks for
+
+
+def run(args: argparse.Namespace) -> int:
+    """`baton engine`: serve until stopped; the exit code says how it ended."""
+    return serve(*configs_from_args(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="baton engine", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        code = run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"baton engine: error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The HTTP server lifecycle that the engine's API server and the router share.
+
+Both run one ASGI app under uvicorn with the same listen settings (`ListenConfig`), the same
+deadline for reading each request (`read_timeout_protocol`), signals handled by their own code
+rather than uvicorn's (`HTTPServer.handle_signals`), the same answer to a client that leaves
+before its answer is ready (`cancel_on_disconnect`) and the same process runner (`run`).
+
+Why the read deadline: uvicorn times out only idle keep-alive connections. A client that
+connects and sends nothing, or sends its headers or body a byte at a time and then stalls (slow
+loris), holds its connection and its socket forever. Here every request must arrive whole
+(request line, headers and body) within `read_timeout` seconds of its first byte (or of the
+connection, for the first request); past that the connection is closed, and a request already
+handed to the app sees a disconnect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import prometheus_client
+import uvicorn
+from starlette.requests import Request
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+T = TypeVar("T")
+
+DEFAULT_READ_TIMEOUT = 30.0  # seconds; nginx gives 60 to headers and 60 between body reads
+# What a client that left before its answer is logged with (nginx's code); nobody reads it.
+CLIENT_CLOSED = 499
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    """Where an HTTP server listens, how long it waits for requests and at shutdown, and how
+    uvicorn logs."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    shutdown_timeout: float = 30.0  # seconds open requests get after SIGTERM
+    request_read_timeout: float = DEFAULT_READ_TIMEOUT  # seconds a client has to send a request
+    access_log: bool = False
+    uvicorn_log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.request_read_timeout <= 0:
+            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
+
+
+def add_listen_args(parser: argparse.ArgumentParser, defaults: type[ListenConfig]) -> None:
+    """The flags both servers take for where they listen and how long a request may take to
+    arrive, with `defaults`' values."""
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=defaults.request_read_timeout,
+        help="seconds a client has to send a whole request (headers and body); slower "
+        "connections are closed",
+    )
+
+
+# ---- the read deadline -----------------------------------------------------------------------
+
+
+class _ReadTimeoutProtocol(HttpToolsProtocol):
+    read_timeout = DEFAULT_READ_TIMEOUT
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self) -> None:
+        if self._read_deadline is None:
+            self._read_deadline = self.loop.call_later(self.read_timeout, self._on_read_timeout)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _on_read_timeout(self) -> None:
+        self._read_deadline = None
+        if not self.transport.is_closing():
+            self.logger.info("closing a connection whose request took over %.0f s to arrive",
+                             self.read_timeout)  # fmt: skip
+            self.transport.close()  # then connection_lost: a request in the app sees a disconnect
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+
+def read_timeout_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
+    """The protocol class for `uvicorn.Config(http=...)` with `read_timeout` seconds."""
+    if read_timeout <= 0:
+        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
+    return type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), {"read_timeout": read_timeout})
+
+
+# ---- serving ---------------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling, which re-raises the signal at exit (a clean
+    SIGTERM stop would end with -15) and knows nothing of the engine's drain."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HTTPServer:
+    """One ASGI app under uvicorn, on `ListenConfig`'s address, with the read deadline.
+
+    The owner decides what SIGINT and SIGTERM mean (`handle_signals`) and ends serving with
+    `stop`; uvicorn then closes the listener, gives open requests `graceful_shutdown` seconds
+    and returns from `serve`.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        listen: ListenConfig,
+        *,
+        lifespan: Literal["on", "off"],
+        graceful_shutdown: float,
+    ) -> None:
+        config = uvicorn.Config(
+            app,
+            host=listen.host,
+            port=listen.port,
+            http=read_timeout_protocol(listen.request_read_timeout),  # slow clients dropped
+            lifespan=lifespan,
+            access_log=listen.access_log,
+            log_level=listen.uvicorn_log_level,
+            timeout_graceful_shutdown=int(graceful_shutdown),
+        )
+        self._uvicorn = _Uvicorn(config)
+
+    @property
+    def started(self) -> bool:
+        """Whether it got as far as listening (False when the lifespan start-up failed)."""
+        return bool(self._uvicorn.started)
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self._uvicorn.should_exit)
+
+    async def serve(self) -> None:
+        """Serves until `stop`. When it cannot bind, uvicorn raises SystemExit (code 3); when
+        the app's lifespan start-up fails, it returns at once with `started` False."""
+        await self._uvicorn.serve()
+
+    def stop(self, *, force: bool = False) -> None:
+        """Ends serving: gracefully, or (`force`) cutting open requests at once."""
+        self._uvicorn.should_exit = True
+        if force:
+            self._uvicorn.force_exit = True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def handle_signals(on_signal: Callable[[signal.Signals], None]) -> Iterator[None]:
+        """Calls `on_signal` on SIGINT and SIGTERM in the running loop, inside the block."""
+        loop = asyncio.get_running_loop()
+        for sig in _SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in _SIGNALS:
+                loop.remove_signal_handler(sig)
+
+
+def run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Runs a server's `main` to the end on uvloop where it is installed; its exit code."""
+    # vLLM's expositions have no `_created` series; a process-wide switch, so only here.
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+# ---- clients that leave ----------------------------------------------------------------------
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, cancelling it if the client disconnects first (then raises ClientGone).
+
+    The cancelled work is awaited before ClientGone is raised, so its cleanup (an engine
+    aborting its requests) has run by the time the handler answers.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if gone:
+        raise ClientGone()
+    return task.result()
