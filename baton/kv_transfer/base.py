@@ -231,16 +231,13 @@ class KVConnectorBase(abc.ABC):
 
     @abc.abstractmethod
     def update_state_after_alloc(
-        self,
-        request: ConnectorRequest,
-        block_ids: list[int],
-        num_computed_tokens: int,
-        num_external: int,
+        self, request: ConnectorRequest, block_ids: list[int], num_external: int
     ) -> TransferResult | None:
         """Called once per request that asked for a remote prefill, after the scheduler
-        allocated local blocks for ``num_external`` remote tokens (0: nothing will be loaded;
-        the remote lease may be released). Returns a failed result when the request's params
-        cannot be used at all (the request is then computed locally and the result counted)."""
+        allocated its local blocks (``block_ids``, all of them) for the ``num_external`` remote
+        tokens that `get_num_new_matched_tokens` offered (0: nothing will be loaded; the remote
+        lease may be released). Returns a failed result when the request's params cannot be used
+        at all (the request is then computed locally and the result counted)."""
 
     @abc.abstractmethod
     def request_finished(

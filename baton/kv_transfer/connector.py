@@ -109,11 +109,7 @@ class PullConnector(KVConnectorBase):
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
 
     def update_state_after_alloc(
-        self,
-        request: ConnectorRequest,
-        block_ids: list[int],
-        num_computed_tokens: int,
-        num_external: int,
+        self, request: ConnectorRequest, block_ids: list[int], num_external: int
     ) -> TransferResult | None:
         remote = self._remote(request)
         if remote is None:
@@ -123,9 +119,9 @@ class PullConnector(KVConnectorBase):
         if num_external == 0:
             self._meta.releases.append(remote)
             return None
-        bs = self.block_size
-        first = num_computed_tokens // bs
-        last = cdiv(num_computed_tokens + num_external, bs)
+        # The remote tokens end one before the prompt's end (its last token is computed here).
+        end = request.num_prompt_tokens - 1
+        first, last = (end - num_external) // self.block_size, cdiv(end, self.block_size)
         self._meta.loads.append(
             LoadSpec(
                 req_id=request.request_id,

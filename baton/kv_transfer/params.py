@@ -82,6 +82,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             return None
         if not isinstance(params, dict):
             raise ValueError("kv_transfer_params must be an object")
+        try:  # keys Baton does not use are ignored, but must still be sane JSON values
+            msgspec.msgpack.encode(params)
+        except (OverflowError, RecursionError, TypeError) as e:
+            raise ValueError(f"kv_transfer_params hold a value out of range: {e}") from None
         remote_decode = params.get(DO_REMOTE_DECODE) is True
         remote_prefill = params.get(DO_REMOTE_PREFILL) is True
         if remote_decode and remote_prefill:

@@ -264,9 +264,10 @@ def test_out_of_range_integers(target: Stack, body: str, param: str) -> None:
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_kv_transfer_params_past_64_bits(engine: Stack, route: str) -> None:
-    """kv_transfer_params travel to the EngineCore as they are: an integer past 64 bits anywhere
-    in them failed to encode there, a 500 (found by schemathesis). Now a 400. (The router
-    replaces a client's kv_transfer_params with its own hand-off, so only the engine is asked.)"""
+    """An integer past 64 bits anywhere in kv_transfer_params once failed to encode on its way to
+    the EngineCore, a 500 (found by schemathesis). Now a 400, even in a key Baton ignores. (The
+    router replaces a client's kv_transfer_params with its own hand-off, so only the engine is
+    asked.)"""
     prompt = (
         '"prompt": "hi"'
         if route == "/v1/completions"

@@ -56,9 +56,7 @@ class RemoteKV:
             return None
         request.kv_load_tried = True
         block_ids = self.kv.block_ids(request.request_id) if num_external else []
-        rejected = self.connector.update_state_after_alloc(
-            request, block_ids, num_hit, num_external
-        )
+        rejected = self.connector.update_state_after_alloc(request, block_ids, num_external)
         if rejected is not None:
             logger.warning("KV params of %s refused: %s", request.request_id, rejected.error)
             self._ended.append(rejected)

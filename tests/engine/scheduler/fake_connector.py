@@ -53,11 +53,7 @@ class FakeConnector(KVConnectorBase):
         return max(0, request.num_prompt_tokens - 1 - num_computed_tokens)
 
     def update_state_after_alloc(
-        self,
-        request: ConnectorRequest,
-        block_ids: list[int],
-        num_computed_tokens: int,
-        num_external: int,
+        self, request: ConnectorRequest, block_ids: list[int], num_external: int
     ) -> TransferResult | None:
         params = request.kv_transfer_params
         if params is None or params.remote is None:
@@ -68,8 +64,8 @@ class FakeConnector(KVConnectorBase):
         if num_external == 0:
             self._meta.releases.append(remote)
             return None
-        first = num_computed_tokens // self.block_size
-        last = cdiv(num_computed_tokens + num_external, self.block_size)
+        end = request.num_prompt_tokens - 1
+        first, last = (end - num_external) // self.block_size, cdiv(end, self.block_size)
         spec = LoadSpec(
             request.request_id, remote, remote.block_ids[first:last], block_ids[first:last], 1.0
         )
