@@ -4,36 +4,41 @@ as msgspec structs; written back as JSON in a prefill engine's answer. Torch-fre
 server, the router and the operator can import it.
 
 The JSON keys are vLLM's (`do_remote_decode`, `remote_engine_id`, ...): a vLLM client or proxy
-speaks to Baton's engines unchanged. They are named here and nowhere else.
+speaks to Baton's engines unchanged. They are named here (`_JSON`) and nowhere else.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from baton.roles import Role
 
 FAILURE_POLICIES = ("recompute", "fail")
-
-# ---- the JSON keys ---------------------------------------------------------------------------
-
 DO_REMOTE_DECODE = "do_remote_decode"  # prefill: compute the prompt, lease its KV, answer where
 DO_REMOTE_PREFILL = "do_remote_prefill"  # decode: pull the prompt's KV from where it says
-FAILURE_POLICY = "kv_load_failure_policy"
-REMOTE_ENGINE_ID = "remote_engine_id"
-REMOTE_HOST = "remote_host"
-REMOTE_PORT = "remote_port"
-REMOTE_PORTS = "remote_ports"  # one per tensor-parallel rank; [0] is REMOTE_PORT
-REMOTE_REQUEST_ID = "remote_request_id"
-REMOTE_BLOCK_IDS = "remote_block_ids"
-NUM_PROMPT_TOKENS = "num_prompt_tokens"
-LEASE_EXPIRES_AT = "lease_expires_at"
 
-_MAX_BLOCK_ID = 2**32  # the TCP transport sends block ids as 32-bit integers
-_MAX_TOKENS = 2**31
+_Port = Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+_BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]  # TCP sends block ids as 32-bit
+
+
+class _JSON(msgspec.Struct, omit_defaults=True):
+    """The JSON form, key by key, as vLLM names the keys; msgspec checks each value's type and
+    range (a missing key or a null is None)."""
+
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    kv_load_failure_policy: Literal["recompute", "fail"] | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: _Port | None = None
+    remote_ports: Annotated[list[_Port], msgspec.Meta(min_length=1)] | None = None  # per rank
+    remote_request_id: str | None = None
+    remote_block_ids: list[_BlockId] | None = None
+    num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] | None = None
+    lease_expires_at: float | None = None  # Unix time, seconds
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,34 +81,28 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> KVTransferParams | None:
-        """The client's `kv_transfer_params`, checked; None when there are none. Raises
-        ValueError naming the field; other keys are ignored, as vLLM ignores them."""
+        """The client's `kv_transfer_params`, checked; None when they ask for nothing. Raises
+        ValueError naming the field; keys Baton does not use are ignored, as vLLM ignores
+        them (but must still hold values that fit 64 bits)."""
         if not params:
             return None
-        if not isinstance(params, dict):
-            raise ValueError("kv_transfer_params must be an object")
-        try:  # keys Baton does not use are ignored, but must still be sane JSON values
+        try:
             msgspec.msgpack.encode(params)
+            js = msgspec.convert(params, _JSON)
         except (OverflowError, RecursionError, TypeError) as e:
             raise ValueError(f"kv_transfer_params hold a value out of range: {e}") from None
-        remote_decode = params.get(DO_REMOTE_DECODE) is True
-        remote_prefill = params.get(DO_REMOTE_PREFILL) is True
-        if remote_decode and remote_prefill:
+        except msgspec.ValidationError as e:
+            raise ValueError(f"kv_transfer_params: {e}") from None
+        if js.do_remote_decode and js.do_remote_prefill:
             raise ValueError(
                 f"kv_transfer_params cannot ask for both {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL}"
             )
-        policy = params.get(FAILURE_POLICY)
-        if policy is not None and policy not in FAILURE_POLICIES:
-            raise ValueError(
-                f"kv_transfer_params.{FAILURE_POLICY} must be one of {FAILURE_POLICIES}, "
-                f"got {policy!r}"
-            )
-        if not (remote_decode or remote_prefill or policy):
+        if not (js.do_remote_decode or js.do_remote_prefill or js.kv_load_failure_policy):
             return None
         return cls(
-            do_remote_decode=remote_decode,
-            remote=_parse_remote(params) if remote_prefill else None,
-            load_failure_policy=policy,
+            do_remote_decode=bool(js.do_remote_decode),
+            remote=_remote(js) if js.do_remote_prefill else None,
+            load_failure_policy=js.kv_load_failure_policy,
         )
 
     @classmethod
@@ -113,26 +112,18 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     def to_json(self) -> dict[str, Any]:
         """The JSON form, as a client sends it back to a decode engine."""
-        out: dict[str, Any] = {
-            DO_REMOTE_DECODE: self.do_remote_decode,
-            DO_REMOTE_PREFILL: self.do_remote_prefill,
-        }
-        if self.load_failure_policy is not None:
-            out[FAILURE_POLICY] = self.load_failure_policy
+        js = _JSON(
+            do_remote_decode=self.do_remote_decode,
+            do_remote_prefill=self.do_remote_prefill,
+            kv_load_failure_policy=self.load_failure_policy,  # type: ignore[arg-type]
+        )
         r = self.remote
         if r is not None:
-            out.update(
-                {
-                    REMOTE_ENGINE_ID: r.engine_id,
-                    REMOTE_HOST: r.host,
-                    REMOTE_PORT: r.port,
-                    REMOTE_PORTS: list(r.ports or (r.port,)),
-                    REMOTE_REQUEST_ID: r.request_id,
-                    REMOTE_BLOCK_IDS: list(r.block_ids),
-                    NUM_PROMPT_TOKENS: r.num_prompt_tokens,
-                    LEASE_EXPIRES_AT: r.lease_expires_at,
-                }
-            )
+            js.remote_engine_id, js.remote_host, js.remote_port = r.engine_id, r.host, r.port
+            js.remote_ports, js.remote_request_id = list(r.ports or (r.port,)), r.request_id
+            js.remote_block_ids, js.num_prompt_tokens = list(r.block_ids), r.num_prompt_tokens
+            js.lease_expires_at = r.lease_expires_at
+        out: dict[str, Any] = msgspec.to_builtins(js)
         return out
 
     def check_engine(self, role: Role | None, tensor_parallel_size: int) -> None:
@@ -162,65 +153,46 @@ def layout_mismatch(remote: RemotePrefill, tensor_parallel_size: int) -> str | N
         return None
     return (
         f"INCOMPATIBLE_LAYOUT: the prefill engine runs tensor_parallel_size "
-        f"{remote.tensor_parallel_size} (kv_transfer_params.{REMOTE_PORTS} has "
+        f"{remote.tensor_parallel_size} (kv_transfer_params.remote_ports has "
         f"{remote.tensor_parallel_size}), this decode engine {tensor_parallel_size}; KV blocks "
         f"move only between engines of equal tensor_parallel_size"
     )
 
 
-# ---- parsing ---------------------------------------------------------------------------------
-
-
-def _field(params: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
-    value = params.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool):
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        names = " or ".join(k.__name__ for k in kinds)
-        raise ValueError(f"kv_transfer_params.{name} is missing or not a {names}")
-    return value
-
-
-def _int(params: dict[str, Any], name: str, low: int, high: int) -> int:
-    value = _field(params, name, int)
-    if not low <= value < high:
-        raise ValueError(f"kv_transfer_params.{name} {value} is not in [{low}, {high})")
-    return int(value)
-
-
-def _port(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
-        raise ValueError(f"kv_transfer_params.{name} {value!r} is not a TCP port")
-    return value
-
-
-def _parse_remote(params: dict[str, Any]) -> RemotePrefill:
-    block_ids = _field(params, REMOTE_BLOCK_IDS, list)
-    if not all(
-        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < _MAX_BLOCK_ID for b in block_ids
-    ):
+def _remote(js: _JSON) -> RemotePrefill:
+    """A `do_remote_prefill` request's lease, every key of it present and coherent."""
+    missing = [name for name in _REMOTE_KEYS if getattr(js, name) is None]
+    if missing:
         raise ValueError(
-            f"kv_transfer_params.{REMOTE_BLOCK_IDS} must be integers in [0, {_MAX_BLOCK_ID})"
+            f"kv_transfer_params.{missing[0]} is missing, needed with {DO_REMOTE_PREFILL}"
         )
-    port = _port(_field(params, REMOTE_PORT, int), REMOTE_PORT)
-    ports = params.get(REMOTE_PORTS, [port])
-    if not isinstance(ports, list) or not ports:
-        raise ValueError(f"kv_transfer_params.{REMOTE_PORTS} must be a non-empty list of ports")
-    ports = tuple(_port(p, f"{REMOTE_PORTS}[]") for p in ports)
-    if ports[0] != port:
+    assert js.remote_port is not None and js.lease_expires_at is not None
+    ports = tuple(js.remote_ports or (js.remote_port,))
+    if ports[0] != js.remote_port:
         raise ValueError(
-            f"kv_transfer_params.{REMOTE_PORTS}[0] ({ports[0]}) must be {REMOTE_PORT} ({port}): "
-            f"rank 0's shard is served on {REMOTE_PORT}"
+            f"kv_transfer_params.remote_ports[0] ({ports[0]}) must be remote_port "
+            f"({js.remote_port}): rank 0's shard is served on remote_port"
         )
-    expires = float(_field(params, LEASE_EXPIRES_AT, (int, float)))
-    if not math.isfinite(expires):
-        raise ValueError(f"kv_transfer_params.{LEASE_EXPIRES_AT} must be a finite number")
+    if not math.isfinite(js.lease_expires_at):
+        raise ValueError("kv_transfer_params.lease_expires_at must be a finite number")
     return RemotePrefill(
-        engine_id=_field(params, REMOTE_ENGINE_ID, str),
-        host=_field(params, REMOTE_HOST, str),
-        port=port,
-        request_id=_field(params, REMOTE_REQUEST_ID, str),
-        block_ids=[int(b) for b in block_ids],
-        num_prompt_tokens=_int(params, NUM_PROMPT_TOKENS, 0, _MAX_TOKENS),
-        lease_expires_at=expires,
+        engine_id=str(js.remote_engine_id),
+        host=str(js.remote_host),
+        port=js.remote_port,
+        request_id=str(js.remote_request_id),
+        block_ids=list(js.remote_block_ids or ()),
+        num_prompt_tokens=int(js.num_prompt_tokens or 0),
+        lease_expires_at=js.lease_expires_at,
         ports=ports,
     )
+
+
+_REMOTE_KEYS = (
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+    "remote_request_id",
+    "remote_block_ids",
+    "num_prompt_tokens",
+    "lease_expires_at",
+)
