@@ -15,9 +15,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from baton.errors import APIError
 from baton.http_server import CLIENT_CLOSED, ClientGone
 from baton.router.discovery import Discovery
-from baton.router.errors import RouterError
 from baton.router.metrics import CONTENT_TYPE
 from baton.router.router import Router
 
@@ -51,7 +51,7 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
     async def answered(route: str, handle: Callable[[], Awaitable[Response]]) -> Response:
         try:
             response = await handle()
-        except RouterError as e:
+        except APIError as e:
             response = e.response()
         except ClientGone:
             response = Response(status_code=CLIENT_CLOSED)
@@ -88,7 +88,7 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
     async def health() -> Response:
         """200 once every known engine has been checked; the router itself is up."""
         if not router.ready():
-            return RouterError(503, "the router is starting: engines not checked yet").response()
+            return APIError(503, "the router is starting: engines not checked yet").response()
         available = sum(1 for e in router.describe() if e["available"])
         return _json({"status": "ok", "engines": len(router.engines), "available": available})
 

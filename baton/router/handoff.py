@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
+from baton.errors import APIError
 from baton.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
 from baton.router.engines import DECODE_ROLES, PREFILL_ROLES
-from baton.router.errors import RouterError
 from baton.router.metrics import DisaggOutcome
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class Handoff:
         decode = router.choose(routed, DECODE_ROLES, router.decode_policy)
         if decode is None:
             self._count("failed", routed, "no decode engine")
-            raise RouterError(503, f"no healthy decode engine serves the model `{routed.model}`")
+            raise APIError(503, f"no healthy decode engine serves the model `{routed.model}`")
         prompt = routed.prompt
         if prompt.num_prompts > 1:
             return await self._decode(routed, decode, "decode_only_fallback", "a batch of prompts")
@@ -97,7 +97,7 @@ class Handoff:
                 stream=False,
                 none_available=f"no healthy prefill engine serves the model `{routed.model}`",
             )
-        except RouterError as e:
+        except APIError as e:
             if e.status == 503:
                 return await self._no_prefill(routed, decode, f"prefill failed: {e.message}")
             self._count("failed", routed, e.message)
@@ -137,7 +137,7 @@ class Handoff:
         if self.config.on_no_prefill == "decode":
             return await self._decode(routed, decode, "decode_only_fallback", why)
         self._count("failed", routed, why)
-        raise RouterError(503, f"{why} (the router runs with --on-no-prefill=fail)")
+        raise APIError(503, f"{why} (the router runs with --on-no-prefill=fail)")
 
     async def _decode(
         self, routed: Routed, decode: EngineState, outcome: DisaggOutcome, why: str

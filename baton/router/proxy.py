@@ -24,9 +24,9 @@ import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from baton.errors import APIError
 from baton.router.config import RouterConfig
 from baton.router.engines import EngineState
-from baton.router.errors import RouterError
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
 
@@ -87,7 +87,7 @@ class Upstream:
         stream: bool,
         none_available: str,
     ) -> Answer:
-        """The first usable answer from the engines `pick` offers; RouterError if none gives
+        """The first usable answer from the engines `pick` offers; APIError if none gives
         one (503, or 429 when the engines tried all pushed back). `none_available` is the
         message when there is no engine to try at all."""
         tried: set[str] = set()
@@ -124,10 +124,10 @@ class Upstream:
                 engine.in_flight -= 1
             return answer
         if pushed_back is not None:
-            raise RouterError(429, _message(pushed_back) or "every engine is over its queue bound")
+            raise APIError(429, _message(pushed_back) or "every engine is over its queue bound")
         if not tried:
-            raise RouterError(503, none_available)
-        raise RouterError(
+            raise APIError(503, none_available)
+        raise APIError(
             503, f"no engine could take the request after {len(tried)} tries: {last_failure}"
         )
 
@@ -243,7 +243,7 @@ class _PassThrough(Response):
             engine = answer.engine
             logger.warning("stream from %s broke: %s: %s", engine.url, type(e).__name__, e)
             self._upstream.health.on_failure(engine, "stream")
-            error = RouterError(502, f"the engine's stream broke: {type(e).__name__}")
+            error = APIError(502, f"the engine's stream broke: {type(e).__name__}")
             await send({"type": "http.response.body", "body": error.sse() + _DONE,
                         "more_body": True})  # fmt: skip
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -21,12 +21,12 @@ import aiohttp
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from baton.errors import APIError
 from baton.http_server import ClientGone, cancel_on_disconnect
 from baton.roles import Role
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, Endpoint
 from baton.router.engines import AGGREGATED_ROLES, ALL_ROLES, EngineSet, EngineState
-from baton.router.errors import RouterError
 from baton.router.handoff import Handoff
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
@@ -130,7 +130,7 @@ class Router:
         """The request's body, refused with 413 past `max_body_bytes` (by its Content-Length,
         before reading, or as it arrives): the router holds whole bodies in memory."""
         limit = self.config.max_body_bytes
-        too_large = RouterError(413, f"the request body is larger than {limit} bytes")
+        too_large = APIError(413, f"the request body is larger than {limit} bytes")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
@@ -149,9 +149,9 @@ class Router:
         try:
             body = json.loads(raw)
         except ValueError as e:
-            raise RouterError(400, f"the body is not valid JSON: {e}") from None
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            raise RouterError(400, "the body must be a JSON object")
+            raise APIError(400, "the body must be a JSON object")
         headers = {"content-type": "application/json"}
         for name in _FORWARDED_HEADERS:
             value = request.headers.get(name)
@@ -178,9 +178,9 @@ class Router:
         if model is None:
             if len(served) == 1:
                 return served[0]
-            raise RouterError(400, f"model is required; this router serves {served}", "model")
+            raise APIError(400, f"model is required; this router serves {served}", "model")
         if not isinstance(model, str) or model not in served:
-            raise RouterError(404, f"The model `{model}` does not exist.", "model")
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
         return model
 
     # -- choosing engines --
@@ -282,7 +282,7 @@ class Router:
         try:
             body = json.loads(raw)
         except ValueError as e:
-            raise RouterError(400, f"the body is not valid JSON: {e}") from None
+            raise APIError(400, f"the body is not valid JSON: {e}") from None
         model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
         roles = ALL_ROLES
 

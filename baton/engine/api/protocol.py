@@ -1,5 +1,6 @@
 """The OpenAI-compatible wire format's requests, as vLLM accepts them: the request models, their
-conversion to the engine's `SamplingParams`, and `APIError`, the error a client is shown.
+conversion to the engine's `SamplingParams`, and the error body's model (for the OpenAPI
+document; `baton.errors.APIError` makes the bodies).
 
 Nothing here touches the engine or the network, so every shape is testable on its own; the
 response side is in `responses`.
@@ -7,24 +8,15 @@ response side is in `responses`.
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.engine.sampling_params import SamplingParams
+from baton.errors import APIError
 
 # ---- errors --------------------------------------------------------------------------------
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    413: "RequestEntityTooLarge",
-    429: "TooManyRequests",
-    500: "InternalServerError",
-    503: "ServiceUnavailable",
-}
 
 
 class ErrorInfo(BaseModel):
@@ -39,28 +31,6 @@ class ErrorResponse(BaseModel):
 
     object: Literal["error"] = "error"
     error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error a client caused or must be told about; becomes an `ErrorResponse`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-    def response(self) -> ErrorResponse:
-        kind = _ERROR_TYPES.get(self.status, "InternalServerError")
-        return ErrorResponse(
-            error=ErrorInfo(message=self.message, type=kind, param=self.param, code=self.status)
-        )
-
-    @classmethod
-    def from_value_error(cls, error: ValueError, param: str | None = None) -> APIError:
-        """A 400 for a `ValueError` whose message starts with the field it names."""
-        match = re.match(r"(\w+)(\[\])? must", str(error))
-        return cls(400, str(error), param or (match.group(1) if match else None))
 
 
 def random_id() -> str:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from baton.engine.api.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from baton.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 # ---- responses -----------------------------------------------------------------------------
@@ -160,10 +160,6 @@ def sse(event: CompletionChunk | ChatCompletionChunk) -> str:
     """One server-sent event; unset fields are left out, as vLLM's chunks leave them out."""
     event.model_fields_set.add("object")  # a default, but OpenAI's chunks always carry it
     return f"data: {event.model_dump_json(exclude_unset=True)}\n\n"
-
-
-def sse_error(error: APIError) -> str:
-    return f"data: {error.response().model_dump_json()}\n\n"
 
 
 # ---- logprobs ------------------------------------------------------------------------------

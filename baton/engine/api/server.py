@@ -29,6 +29,7 @@ from baton.engine.api.metrics import CONTENT_TYPE
 from baton.engine.api.serving import EngineServer
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EngineArgs
+from baton.errors import APIError
 from baton.http_server import (
     CLIENT_CLOSED,
     ClientGone,
@@ -67,10 +68,6 @@ class ServerConfig(ListenConfig):
 # ---- the app -------------------------------------------------------------------------------
 
 
-def _error(error: p.APIError) -> JSONResponse:
-    return JSONResponse(error.response().model_dump(mode="json"), status_code=error.status)
-
-
 class _BodyLimit:
     """Answers 413 to a body over `max_bytes`, by its Content-Length or by what arrives."""
 
@@ -82,15 +79,15 @@ class _BodyLimit:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        too_large = p.APIError(413, f"the request body is larger than {self.max_bytes} bytes")
+        too_large = APIError(413, f"the request body is larger than {self.max_bytes} bytes")
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():
-                await _error(p.APIError(400, "invalid Content-Length"))(scope, receive, send)
+                await APIError(400, "invalid Content-Length").response()(scope, receive, send)
                 return
             if int(length) > self.max_bytes:
-                await _error(too_large)(scope, receive, send)
+                await too_large.response()(scope, receive, send)
                 return
         body = bytearray()
         more = True
@@ -101,7 +98,7 @@ class _BodyLimit:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
-                await _error(too_large)(scope, receive, send)
+                await too_large.response()(scope, receive, send)
                 return
         replayed = False
 
@@ -126,26 +123,26 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
     app.state.server = server
 
-    @app.exception_handler(p.APIError)
-    async def api_error(_: Request, exc: p.APIError) -> JSONResponse:
-        return _error(exc)
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(_from_validation(exc))
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _from_validation(exc).response()
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return _error(p.APIError(exc.status_code, str(exc.detail)))
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return APIError(exc.status_code, str(exc.detail)).response()
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:
         return Response(status_code=CLIENT_CLOSED)  # its engine requests were aborted
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(_: Request, exc: Exception) -> Response:
         logger.exception("request failed")
-        return _error(p.APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     errors: dict[int | str, dict[str, Any]] = {
         code: {"model": p.ErrorResponse} for code in (400, 404, 413, 429, 503)
@@ -156,7 +153,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         """200 with the engine's role and KV transport while it serves; 503 when draining or
         the engine died."""
         if not server.healthy():
-            return _error(p.APIError(503, "draining" if server.draining else "the engine is dead"))
+            return APIError(503, "draining" if server.draining else "the engine is dead").response()
         return JSONResponse(server.health())
 
     @app.get("/v1/models", response_model=r.ModelList)
@@ -189,18 +186,18 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     return app
 
 
-def _from_validation(exc: RequestValidationError) -> p.APIError:
+def _from_validation(exc: RequestValidationError) -> APIError:
     parts, param = [], None
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
-            return p.APIError(
+            return APIError(
                 400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', '')}"
             )
         field = ".".join(loc)
         param = param or (loc[0] if loc else None)
         parts.append(f"{field}: {err.get('msg')}" if field else str(err.get("msg")))
-    return p.APIError(400, "; ".join(parts) or "invalid request", param)
+    return APIError(400, "; ".join(parts) or "invalid request", param)
 
 
 # ---- lifecycle -----------------------------------------------------------------------------

@@ -21,12 +21,13 @@ from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, col
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
+from baton.errors import APIError
 from baton.kv_transfer.params import KVTransferParams
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
     if delta.finish_reason == "abort":  # never shown to a client as a finish reason
-        raise p.APIError(500, "the engine aborted the request")
+        raise APIError(500, "the engine aborted the request")
     return delta.finish_reason
 
 
@@ -74,12 +75,12 @@ class EngineServer:
         """Checks a generation request may start; returns the call that ends its tracking."""
         self._check_model(model)
         if self.llm.dead_error is not None:
-            raise p.APIError(503, f"the engine is dead: {self.llm.dead_error}")
+            raise APIError(503, f"the engine is dead: {self.llm.dead_error}")
         if self.draining:
-            raise p.APIError(503, "the server is shutting down")
+            raise APIError(503, "the server is shutting down")
         bound = self.max_waiting_requests
         if bound is not None and self.llm.stats.num_waiting >= bound:
-            raise p.APIError(
+            raise APIError(
                 429,
                 f"too many requests waiting ({self.llm.stats.num_waiting} >= {bound}); retry later",
             )
@@ -128,10 +129,10 @@ class EngineServer:
             if parsed is not None:
                 parsed.check_engine(self.kv_role, self.tensor_parallel_size)
         except ValueError as e:
-            raise p.APIError(400, str(e), "kv_transfer_params") from None
+            raise APIError(400, str(e), "kv_transfer_params") from None
         handing_off = parsed is not None and (parsed.do_remote_decode or parsed.do_remote_prefill)
         if handing_off and (num_prompts > 1 or n > 1):
-            raise p.APIError(
+            raise APIError(
                 400,
                 "kv_transfer_params hand off one prompt's KV: use one prompt and n=1",
                 "kv_transfer_params",
@@ -152,7 +153,7 @@ class EngineServer:
         try:
             check_prompt_token_ids(ids, self.llm.max_model_len, self.llm.vocab_size)
         except ValueError as e:
-            raise p.APIError(400, str(e), param) from None
+            raise APIError(400, str(e), param) from None
 
     def _chat_prompt(
         self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
@@ -164,9 +165,9 @@ class EngineServer:
                 chat_template=template,
             )
         except ValueError as e:
-            raise p.APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render
-            raise p.APIError(400, f"the chat template failed: {e}", "messages") from None
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
 
     # -- completions --
 
@@ -349,7 +350,7 @@ class EngineServer:
             outputs = await collect(streams)
             for out in outputs:
                 if any(s.finish_reason == "abort" for s in out.outputs):
-                    raise p.APIError(500, "the engine aborted the request")
+                    raise APIError(500, "the engine aborted the request")
             return JSONResponse(body(outputs).model_dump(mode="json"))
         finally:
             await cleanup_for(streams, release)()
@@ -377,8 +378,8 @@ class EngineServer:
                 if last is not None:
                     yield last
                 yield r.DONE
-            except p.APIError as e:
-                yield r.sse_error(e)
+            except APIError as e:
+                yield e.sse().decode()
                 yield r.DONE
             finally:
                 await cleanup()
@@ -405,12 +406,12 @@ class EngineServer:
         vocab = self.llm.vocab_size
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
-            raise p.APIError(400, f"token ids outside [0, {vocab}): {bad[:5]}", "tokens")
+            raise APIError(400, f"token ids outside [0, {vocab}): {bad[:5]}", "tokens")
         return r.DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise p.APIError(404, f"The model `{model}` does not exist.", "model")
+            raise APIError(404, f"The model `{model}` does not exist.", "model")
 
     def models(self) -> r.ModelList:
         card = r.ModelCard(

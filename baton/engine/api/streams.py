@@ -12,11 +12,11 @@ from typing import cast
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from baton.engine.api import protocol as p
 from baton.engine.api.metrics import EngineMetrics, RequestTimer
 from baton.engine.async_llm import AsyncLLM, EngineDeadError
 from baton.engine.outputs import RequestOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.errors import APIError
 from baton.kv_transfer.params import KVTransferParams
 
 
@@ -56,13 +56,13 @@ class PromptStream:
         except StopAsyncIteration:
             return None
         except ValueError as e:  # raised before anything is queued: a bad prompt
-            raise p.APIError(400, str(e), "prompt") from None
+            raise APIError(400, str(e), "prompt") from None
         except EngineDeadError as e:
-            raise p.APIError(503, str(e)) from None
+            raise APIError(503, str(e)) from None
         self._timer.on_output(out)
         self.last = out
         if out.error is not None:  # the engine ended it (a failed KV load under policy "fail")
-            raise p.APIError(503, out.error)
+            raise APIError(503, out.error)
         return out
 
     async def close(self) -> None:
@@ -103,13 +103,13 @@ async def collect(streams: list[PromptStream]) -> list[RequestOutput]:
         while await stream.next() is not None:
             pass
         if stream.last is None:
-            raise p.APIError(500, "the engine ended a request without output")
+            raise APIError(500, "the engine ended a request without output")
         return stream.last
 
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(run(s)) for s in streams]
-    except* p.APIError as errors:  # the first one answers the client (the others were cancelled)
+    except* APIError as errors:  # the first one answers the client (the others were cancelled)
         raise errors.exceptions[0] from None
     return [t.result() for t in tasks]
 

@@ -24,6 +24,7 @@ from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer
+from baton.errors import APIError
 
 SCRIPT = "hello world, the baton passes on. "  # what the fake model writes, over and over
 
@@ -71,10 +72,10 @@ def test_chat_logprobs_map_to_top_logprobs() -> None:
     assert chat(logprobs=True, top_logprobs=3).to_sampling_params(4).logprobs == 3
     assert chat(logprobs=True).to_sampling_params(4).logprobs == 0
     assert chat().to_sampling_params(4).logprobs is None
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         chat(top_logprobs=2).check()
     assert e.value.param == "top_logprobs"
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         chat(logprobs=True, top_logprobs=50).to_sampling_params(4)
     assert e.value.status == 400 and e.value.param == "top_logprobs"
 
@@ -86,7 +87,7 @@ def test_chat_logprobs_map_to_top_logprobs() -> None:
 def test_out_of_range_fields_are_400_naming_the_field(field: str, value: object) -> None:
     """SamplingParams' range errors become 400s whose param is the offending field."""
     req = p.CompletionRequest(prompt="x", **{field: value})
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         req.to_sampling_params(4)
     assert e.value.status == 400 and e.value.param == field and field in e.value.message
 
@@ -97,7 +98,7 @@ def test_out_of_range_fields_are_400_naming_the_field(field: str, value: object)
 )
 def test_unsupported_fields_are_rejected(body: dict[str, Any], param: str) -> None:
     """What the server cannot honour is a 400 naming the field, never silently ignored."""
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         p.CompletionRequest(prompt="x", **body).check()
     assert e.value.status == 400 and e.value.param == param
 
@@ -109,7 +110,7 @@ def test_prompt_shapes_become_a_batch() -> None:
     assert p.CompletionRequest(prompt=[1, 2]).prompts() == [[1, 2]]
     assert p.CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
     for empty in ("", [], [[]]):
-        with pytest.raises(p.APIError):
+        with pytest.raises(APIError):
             p.CompletionRequest(prompt=empty).prompts()
 
 
@@ -118,17 +119,17 @@ def test_max_tokens_resolution() -> None:
     assert p.resolve_max_tokens(None, None, 10, 100, "messages") == 90
     assert p.resolve_max_tokens(None, 16, 95, 100, "prompt") == 5
     assert p.resolve_max_tokens(7, 16, 10, 100, "prompt") == 7
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         p.resolve_max_tokens(None, 16, 120, 100, "prompt")
     assert "100" in e.value.message and "120" in e.value.message and e.value.param == "prompt"
-    with pytest.raises(p.APIError) as e:
+    with pytest.raises(APIError) as e:
         p.resolve_max_tokens(95, 16, 10, 100, "prompt")
     assert e.value.param == "max_tokens" and "95" in e.value.message
 
 
 def test_error_body_is_openai_shaped() -> None:
     """Errors carry OpenAI's `error` object (message, type, param, code) and vLLM's `object`."""
-    body = p.APIError(404, "no such model", "model").response().model_dump()
+    body = APIError(404, "no such model", "model").body()
     assert body == {
         "object": "error",
         "error": {
