@@ -13,9 +13,7 @@ from baton.engine.models.tiny import write_tiny_model
 
 # Helpers shared across test folders assert like tests do; rewritten, their failures show the
 # values as in a test. Registered here, before any test module imports them.
-pytest.register_assert_rewrite(
-    "tests.engine.api.server_fixtures", "tests.router.harness", "tests.e2e.stacks"
-)
+pytest.register_assert_rewrite("tests.support", "tests.router.harness", "tests.e2e.stacks")
 
 # Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
 # before anything imports triton, and this file is loaded before every test module.
