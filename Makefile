@@ -26,10 +26,10 @@ serve: install
 	$(VENV)/bin/baton serve --host 127.0.0.1 --port 8000
 
 test: install
-	$(PY) -m pytest -q -m "not long"
+	$(PY) -m pytest -q -m "not long" --durations=25
 
 test-long: install
-	$(PY) -m pytest -q -m long tests/e2e
+	$(PY) -m pytest -q -m long --durations=25
 
 lint: install
 	$(VENV)/bin/ruff check baton tests bench

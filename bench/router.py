@@ -1,7 +1,7 @@
 """Router overhead: the latency `baton router` adds over calling an engine directly, and the
 requests/s it carries, against a fast fake engine (no model: answers at once).
 
-Three processes share the machine: the fake engine (tests/router/fake_engine.py), the router
+Three processes share the machine: the fake engine (tests/support/fake_engine.py), the router
 (`baton router --engine URL`), and this client. The same streamed completions go once straight
 to the engine and once through the router, at concurrency 1 and 64; a request's latency is from
 sending it to its last byte. Added latency is the router's percentile minus the direct one.
@@ -126,7 +126,7 @@ def main() -> None:
         [
             sys.executable,
             "-m",
-            "tests.router.fake_engine",
+            "tests.support.fake_engine",
             "--port",
             str(engine_port),
             "--itl",

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from baton.engine.models.tiny import write_tiny_model
+from baton.engine.ops import cpu_paged_attention
 
 # Helpers shared across test folders assert like tests do; rewritten, their failures show the
 # values as in a test. Registered here, before any test module imports them.
-pytest.register_assert_rewrite(
-    "tests.engine.api.server_fixtures", "tests.router.harness", "tests.e2e.stacks"
-)
+pytest.register_assert_rewrite("tests.support", "tests.router.harness", "tests.e2e.stacks")
 
 # Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
 # before anything imports triton, and this file is loaded before every test module.
@@ -40,5 +39,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Keeps the default-model and kernel caches of the tests out of the user's home."""
+    """Keeps the default-model and kernel caches of the tests out of the user's home, and
+    builds the CPU attention kernel there once: engines started side by side would otherwise
+    each compile it (the cache is empty at first), a C compile per engine on shared cores."""
     os.environ.setdefault("BATON_CACHE_DIR", str(tmp_path_factory.mktemp("baton-cache")))
+    cpu_paged_attention.available(torch.float32, 1, 1, 16, 16)

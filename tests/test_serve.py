@@ -20,7 +20,8 @@ import pytest
 
 from baton import serve
 from baton.engine.api.cli import add_server_args
-from tests.router.harness import free_port, scrape
+from tests.support.ports import free_port
+from tests.support.thread_server import scrape
 
 pytestmark = pytest.mark.slow
 

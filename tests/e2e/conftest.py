@@ -10,15 +10,15 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.stacks import RouterProcess
-from tests.engine.api.server_fixtures import NAME, Server, _children, engine_core_pid
+from tests.support.engine_server import NAME, Server, start_all, stop_all
+from tests.support.procs import alive, engine_core_pid
+from tests.support.router_process import RouterProcess
 
 BLOCK = "8"
 LEASE_SECONDS = 2.0  # unclaimed leases end quickly, so a leak check needs no long wait
@@ -55,26 +55,25 @@ class Fleet:
     """Every engine of the session, started side by side (the 2 cores load them in parallel)."""
 
     def __init__(self, model: Path, tmp: Path) -> None:
+        self.model, self.tmp = model, tmp
         self.servers: dict[str, Server] = {}
-        for name, (role, flags) in ENGINES.items():
-            self.servers[name] = Server(model, tmp / f"{name}.log", *COMMON, "--role", role, *flags)
-        self.pids = {name: s.proc.pid for name, s in self.servers.items()}
+        self.pids: dict[str, int] = {}
+        self.core_pids: dict[str, int] = {}
 
     def __getitem__(self, name: str) -> Server:
         return self.servers[name]
 
-    def wait_ready(self) -> None:
-        # Generous: two shared cores load nine engines at once.
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(400), self.servers.values()))
+    def start(self) -> None:
+        flags = {name: (*COMMON, "--role", role, *extra) for name, (role, extra) in ENGINES.items()}
+        self.servers = start_all(self.model, self.tmp, flags)
+        self.pids = {name: s.proc.pid for name, s in self.servers.items()}
         self.core_pids = {n: engine_core_pid(s.proc.pid) for n, s in self.servers.items()}
 
     def stop(self) -> None:
-        for pid in getattr(self, "core_pids", {}).values():  # a SIGSTOPped core must not linger
+        for pid in self.core_pids.values():  # a SIGSTOPped core must not linger
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-        with ThreadPoolExecutor(len(self.servers)) as pool:
-            list(pool.map(Server.stop, self.servers.values()))
+        stop_all(self.servers.values())
 
 
 class RouterProc(RouterProcess):
@@ -92,11 +91,11 @@ def fleet(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("fleet")
     fleet = Fleet(Path(tiny_model("llama")), tmp)
     try:
-        fleet.wait_ready()
+        fleet.start()
         yield fleet
     finally:
         fleet.stop()
-    left = [p for p in [*fleet.pids.values(), *fleet.core_pids.values()] if _alive(p)]
+    left = [p for p in [*fleet.pids.values(), *fleet.core_pids.values()] if alive(p)]
     assert not left, f"processes left behind: {left}"
 
 
@@ -112,7 +111,7 @@ def make_router(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
     yield make
     for r in made:
         r.stop()
-    assert not [r.proc.pid for r in made if _alive(r.proc.pid)]
+    assert not [r.proc.pid for r in made if alive(r.proc.pid)]
 
 
 @pytest.fixture
@@ -149,24 +148,6 @@ def _write_matrix() -> Iterator[None]:
 
 
 # ---- checks ------------------------------------------------------------------------------------
-
-
-def _alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie has ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def wait_exit(pid: int, timeout: float) -> float:
-    """Seconds until `pid` has ended; fails after `timeout`."""
-    start = time.monotonic()
-    while _alive(pid):
-        assert time.monotonic() - start < timeout, f"process {pid} still runs after {timeout} s"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 IDLE = (
@@ -287,7 +268,3 @@ def stop_core(fleet: Fleet, name: str) -> int:
     pid = fleet.core_pids[name]
     os.kill(pid, signal.SIGSTOP)
     return pid
-
-
-def children_of(pid: int) -> list[int]:
-    return _children(pid)

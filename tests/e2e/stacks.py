@@ -4,25 +4,17 @@ memory of each process (API servers and their EngineCore children)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from tests.engine.api.server_fixtures import ROOT, Server, engine_core_pid
-from tests.router.harness import free_port
-
-READ_TIMEOUT = 2.0  # --request-read-timeout of every server here: slow clients go quickly
+from tests.support.engine_server import Server, start_all, stop_all
+from tests.support.procs import alive, engine_core_pid, rss_bytes
+from tests.support.router_process import READ_TIMEOUT, RouterProcess
 
 
 def save_figures(name: str, figures: dict[str, Any]) -> None:
@@ -31,63 +23,6 @@ def save_figures(name: str, figures: dict[str, Any]) -> None:
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         Path(folder, f"{name}.json").write_text(json.dumps(figures, indent=1, default=str))
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident memory of process `pid` (VmRSS)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def alive(pid: int) -> bool:
-    """`pid` runs and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-class RouterProcess:
-    """`baton router` in a process in front of `prefill` and `decode` URLs."""
-
-    def __init__(self, log: Path, prefill: list[str], decode: list[str], *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        engines = [w for u in prefill for w in ("--prefill", u)]
-        engines += [w for u in decode for w in ("--decode", u)]
-        cmd = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router",
-               "--host", "127.0.0.1", "--port", str(self.port), "--health-interval", "0.5",
-               "--request-read-timeout", str(READ_TIMEOUT), *engines, *flags]  # fmt: skip
-        self.expected = len(engines) // 2
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"router exited:\n{self.log()}"
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                r = httpx.get(f"{self.url}/health", timeout=1)
-                if r.status_code == 200 and r.json()["available"] == self.expected:
-                    return
-            time.sleep(0.1)
-        raise AssertionError(f"router not ready after {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
 
 
 @dataclass
@@ -124,17 +59,7 @@ class Stack:
 def _start_engines(model: Path, tmp: Path, roles: dict[str, tuple[str, ...]]) -> dict[str, Server]:
     """Engines by name with their flags, started side by side (the cores load in parallel)."""
     flags = ("--request-read-timeout", str(READ_TIMEOUT))
-    servers = {
-        name: Server(model, tmp / f"{name}.log", *flags, *extra) for name, extra in roles.items()
-    }
-    try:
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(lambda s: s.wait_ready(120), servers.values()))
-    except BaseException:
-        for s in servers.values():
-            s.stop()
-        raise
-    return servers
+    return start_all(model, tmp, {name: (*flags, *extra) for name, extra in roles.items()})
 
 
 @contextmanager
@@ -148,7 +73,7 @@ def engine_stack(model: Path, tmp: Path, *flags: str) -> Iterator[Stack]:
             cores={"engine": engine_core_pid(servers["engine"].proc.pid)},
         )
     finally:
-        servers["engine"].stop()
+        stop_all(servers.values())
 
 
 @contextmanager
@@ -166,5 +91,4 @@ def disagg_stack(model: Path, tmp: Path, *flags: str) -> Iterator[Stack]:
         yield Stack(router.url, servers, router, cores)
     finally:
         router.stop()
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())

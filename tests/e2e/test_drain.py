@@ -23,9 +23,9 @@ from tests.e2e.conftest import (
     record,
     stop_core,
     tokens,
-    wait_exit,
     wait_idle,
 )
+from tests.support.procs import wait_exit
 
 pytestmark = pytest.mark.slow
 

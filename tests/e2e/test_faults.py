@@ -37,9 +37,10 @@ from tests.e2e.conftest import (
     record,
     stop_core,
     tokens,
-    wait_exit,
     wait_idle,
 )
+from tests.support.kv_peers import BadKVPeer
+from tests.support.procs import wait_exit
 
 pytestmark = pytest.mark.slow
 
@@ -189,28 +190,6 @@ def _router_in_flight(router_url: str, engine_url: str) -> float:
     return 0.0
 
 
-class _StallingPeer:
-    """A KV server that accepts connections and never answers (a pull to it hangs)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                self.conns.append(self.sock.accept()[0])
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 @pytest.mark.parametrize("target", ["server", "core"])
 def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> None:
     """kill -9 of a decode engine's API server or EngineCore: a client streaming through the
@@ -225,7 +204,7 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
         s.read(2)
     on_victim = next(s for s in streams if s.engine == victim.url)
     survivor = next(s for s in streams if s.engine == d0.url)
-    peer = _StallingPeer()
+    peer = BadKVPeer("stall")
     b, d = prompt_ids(21), prompt_ids(22)
     prefill_step(p0, b)  # a lease the victim will never pull
     params_d = prefill_step(p0, d) | {"remote_port": peer.port, "remote_ports": [peer.port]}

@@ -5,12 +5,9 @@ request within its deadline and leak no blocks."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine.api.server_fixtures import Server, engine_core_pid, expect_error, start_server
+from tests.support.engine_server import Server, expect_error, start_all, start_server, stop_all
+from tests.support.kv_peers import BadKVPeer
+from tests.support.procs import engine_core_pid
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +36,16 @@ def model(tiny_model: Any) -> Path:
 def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     """A single engine, a prefill engine and a decode engine, started side by side."""
     tmp = tmp_path_factory.mktemp("stack")
-    flags = [
-        (),
-        ("--role", "prefill"),
-        ("--role", "decode", "--kv-load-timeout", "3"),
-    ]
-    servers = [
-        Server(model, tmp / f"{i}.log", "--block-size", BLOCK, *f) for i, f in enumerate(flags)
-    ]
+    flags = {
+        "single": ("--block-size", BLOCK),
+        "prefill": ("--block-size", BLOCK, "--role", "prefill"),
+        "decode": ("--block-size", BLOCK, "--role", "decode", "--kv-load-timeout", "3"),
+    }
+    servers = list(start_all(model, tmp, flags).values())
     try:
-        for s in servers:
-            s.wait_ready()
         yield servers
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
 
 
 @pytest.fixture(scope="module")
@@ -74,19 +68,16 @@ def pair(
     pytest.importorskip(
         "baton.kv_transfer.nixl.transport", reason="NIXL is not installed", exc_type=ImportError
     )
-    tmp = tmp_path_factory.mktemp("nixl")
-    flags = [("--role", "prefill"), ("--role", "decode", "--kv-load-timeout", "3")]
-    servers = [
-        Server(model, tmp / f"{i}.log", "--block-size", BLOCK, "--kv-transport", "nixl", *f)
-        for i, f in enumerate(flags)
-    ]
+    nixl = ("--block-size", BLOCK, "--kv-transport", "nixl")
+    flags = {
+        "prefill": (*nixl, "--role", "prefill"),
+        "decode": (*nixl, "--role", "decode", "--kv-load-timeout", "3"),
+    }
+    servers = start_all(model, tmp_path_factory.mktemp("nixl"), flags)
     try:
-        for s in servers:
-            s.wait_ready()
-        yield "nixl", servers[0], servers[1]
+        yield "nixl", servers["prefill"], servers["decode"]
     finally:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(Server.stop, servers))
+        stop_all(servers.values())
 
 
 @pytest.fixture(scope="module")
@@ -237,42 +228,6 @@ def test_params_of_a_restarted_engine_recompute(
     assert decode.metrics()['baton:kv_transfer_failures_total{reason="UNKNOWN_ENGINE"}'] >= 1
 
 
-class _BadPeer:
-    """A fake KV server: `stall` accepts and never answers; `short` answers OK and hangs up
-    mid-payload; `corrupt` sends the promised bytes with a wrong checksum."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def _run(self) -> None:
-        from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, REQUEST
-
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self.sock.accept()
-                self.conns.append(conn)
-                if self.mode == "stall":
-                    continue
-                head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-                _, elen, rlen, nblocks, bpb = REQUEST.unpack(head)
-                conn.recv(elen + rlen + 4 * nblocks, socket.MSG_WAITALL)
-                total = nblocks * bpb
-                conn.sendall(REPLY.pack(REPLY_MAGIC, 0, bpb, total, 12345))
-                payload = bytes(total if self.mode == "corrupt" else total // 2)
-                conn.sendall(payload)
-                if self.mode == "short":
-                    conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
-
-
 @pytest.mark.parametrize("mode", ["stall", "short", "corrupt"])
 def test_bad_peers_are_detected_and_recomputed(
     prefill: Server, decode: Server, single: Server, mode: str
@@ -281,7 +236,7 @@ def test_bad_peers_are_detected_and_recomputed(
     decode engine detects it (within --kv-load-timeout for the stall) and recomputes."""
     prompt = list(range(300, 345))
     params = _prefill_step(prefill, prompt)
-    peer = _BadPeer(mode)
+    peer = BadKVPeer(mode)
     try:
         start = time.monotonic()
         r = _complete(

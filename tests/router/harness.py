@@ -1,76 +1,25 @@
-"""Servers for the router's tests: any ASGI app under uvicorn in a thread (fake engines, the
-router itself) on a free 127.0.0.1 port, and a router in front of fake engines."""
+"""The router's test harness: fake engines served in threads (a cluster sharing one lease
+board), and a router in a thread in front of them with fast health checks."""
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import httpx
-import uvicorn
-from starlette.types import ASGIApp
 
 from baton.router.app import build_app
 from baton.router.config import RouterConfig
 from baton.router.discovery import Endpoint, Role, StaticDiscovery
 from baton.router.router import Router
-from tests.router.fake_engine import FakeEngine, LeaseBoard
+from tests.support.fake_engine import FakeEngine, LeaseBoard
+from tests.support.thread_server import ThreadServer, scrape
 
 # Fast health checks, so tests see ejection and recovery in a fraction of a second.
 FAST = RouterConfig(health_interval=0.05, health_timeout=1.0, eject_seconds=0.3)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ThreadServer:
-    """uvicorn serving `app` in a thread with its own event loop."""
-
-    def __init__(
-        self, app: ASGIApp, port: int | None = None, lifespan: Literal["on", "off"] = "off"
-    ) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            access_log=False,
-            lifespan=lifespan,
-            timeout_graceful_shutdown=1,
-        )
-        self.server = uvicorn.Server(config)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.server.serve())
-
-    def start(self) -> ThreadServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        """Stops listening and closes every connection (open streams are cut)."""
-        self.server.should_exit = True
-        self.server.force_exit = True
-        self.thread.join(10)
 
 
 class FakeCluster:
@@ -121,21 +70,6 @@ class RouterServer(ThreadServer):
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample of the router's /metrics (0 when absent)."""
         return scrape(self.url, name, **labels)
-
-
-def scrape(url: str, name: str, **labels: str) -> float:
-    """The sum of the samples of `name` at `url`/metrics whose labels include `labels`."""
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
-            continue
-        key, value = line.rsplit(" ", 1)
-        sample, _, rest = key.partition("{")
-        if sample != name:
-            continue
-        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 @contextmanager

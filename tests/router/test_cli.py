@@ -15,7 +15,8 @@ import pytest
 from baton.router import cli
 from baton.router.config import RouterConfig
 from baton.router.discovery import StaticDiscovery
-from tests.router.harness import FakeCluster, free_port
+from tests.router.harness import FakeCluster
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ import httpx
 
 from baton.router.discovery import Endpoint
 from baton.router.health import parse_load
-from tests.router.harness import FakeCluster, RouterServer, ThreadServer, routed
+from tests.router.harness import FakeCluster, RouterServer, routed
+from tests.support.thread_server import ThreadServer
 
 BODY = {"model": "fake", "prompt": "x", "max_tokens": 1}
 

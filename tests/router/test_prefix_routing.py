@@ -20,10 +20,14 @@ import pytest
 
 from baton.router.config import PolicyName, RouterConfig
 from baton.router.discovery import Endpoint
-from tests.engine.api.server_fixtures import NAME, Server
-from tests.router.harness import RouterServer, scrape
+from tests.router.harness import RouterServer
+from tests.support.engine_server import NAME, Server, start_all, stop_all
+from tests.support.thread_server import scrape
 
-pytestmark = pytest.mark.slow
+# Load, not behaviour: 768 requests over 4 engines measure the policy's hit rate (the figure in
+# docs/benchmarks.md); what the policy decides is tested in test_policies.py and
+# test_prefix_index.py, and the router's prefix routing over fake engines in test_routing.py.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 NUM_ENGINES, NUM_FAMILIES, NUM_USERS = 4, 8, 32
 # ~10 engine blocks per system prompt: two families and a running request fit, three do not.
@@ -51,16 +55,11 @@ def _workload(phase: str) -> list[tuple[int, str]]:
 def engines(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
     model = Path(tiny_model("llama"))
     logs = tmp_path_factory.mktemp("prefix-engines")
-    servers = [Server(model, logs / f"engine-{i}.log", *ENGINE_FLAGS) for i in range(NUM_ENGINES)]
+    servers = start_all(model, logs, {f"engine-{i}": ENGINE_FLAGS for i in range(NUM_ENGINES)})
     try:
-        for server in servers:
-            server.wait_ready()
-        yield servers
+        yield list(servers.values())
     finally:
-        for server in servers:  # all drain at once; stop() then reaps each
-            server.proc.terminate()
-        for server in servers:
-            server.stop()
+        stop_all(servers.values())
 
 
 def _counters(engines: list[Server]) -> tuple[float, float]:

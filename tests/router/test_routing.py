@@ -1,11 +1,13 @@
 """The router in front of fake engines: OpenAI routes, models, streaming pass-through, errors,
-retries and backpressure."""
+retries, backpressure and prefix-aware placement."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
+from collections import Counter
 from typing import Any
 
 import httpx
@@ -220,3 +222,21 @@ def test_router_metrics_count_requests_by_route(cluster: FakeCluster, stream: bo
         assert router.metric("baton:router_requests_total", route=route, code="200") == 3
         count = "baton:router_request_duration_seconds_count"
         assert router.metric(count, route=route) == 3
+
+
+def test_prefix_aware_routing_keeps_families_together(cluster: FakeCluster) -> None:
+    """Under the default prefix-aware policy, prompts sharing a system prompt go to the engine
+    that served it first, and new system prompts spread over the engines."""
+    for _ in range(4):
+        cluster.add()
+    placed: dict[int, str] = {}
+    with routed(cluster) as router:
+        for user in range(3):
+            # A shuffled order, so round-robin (or any fixed rotation) does not pass by chance.
+            for family in random.Random(user).sample(range(8), 8):
+                body = {"model": "fake", "prompt": f"system {family} " * 30 + f"user {user}"}
+                r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=10)
+                assert r.status_code == 200, r.text
+                engine = r.headers["x-baton-engine"]
+                assert placed.setdefault(family, engine) == engine, (family, user)
+    assert sorted(Counter(placed.values()).values()) == [2, 2, 2, 2]

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from baton import LLM, SamplingParams
-from tests.engine.api.server_fixtures import (
+from tests.support.engine_server import (
     MAX_MODEL_LEN,
     NAME,
     Server,

@@ -13,14 +13,14 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.api.server_fixtures import (
+from tests.support.engine_server import (
     NAME,
     Server,
-    engine_core_pid,
     expect_error,
     start_server,
     streams_after,
 )
+from tests.support.procs import engine_core_pid
 
 pytestmark = pytest.mark.slow  # every test here needs a server process: seconds to start
 

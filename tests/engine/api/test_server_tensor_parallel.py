@@ -13,13 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.api.server_fixtures import (
-    NAME,
-    _children,
-    engine_core_pid,
-    start_server,
-    streams_after,
-)
+from tests.support.engine_server import NAME, start_server, streams_after
+from tests.support.procs import children, engine_core_pid
 
 pytestmark = pytest.mark.slow  # a server and two worker processes: seconds to start
 
@@ -28,7 +23,7 @@ def _worker_pids(server_pid: int) -> list[int]:
     core = engine_core_pid(server_pid)
     return [
         pid
-        for pid in _children(core)
+        for pid in children(core)
         if b"baton.engine.executor.worker_proc" in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.engine.api.server_fixtures import NAME, engine_core_pid, start_server
+from tests.support.engine_server import NAME, start_server
+from tests.support.procs import engine_core_pid
 
 
 def _maps(pid: int) -> str:

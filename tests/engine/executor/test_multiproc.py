@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,17 +17,9 @@ from baton.engine.executor import WorkerDiedError
 from baton.engine.executor.messages import WorkerFailed
 from baton.engine.executor.multiproc import MultiprocExecutor
 from baton.kv_transfer.base import KVTransferConfig
+from tests.support.procs import alive
 
 _LONG = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
 
 
 def _workers(llm: LLM) -> list[int]:
@@ -71,7 +62,7 @@ def test_mp_executor_with_one_rank_matches_in_process(tiny_model) -> None:
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     llm.shutdown()
     assert got == expected
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 @pytest.mark.slow
@@ -96,7 +87,7 @@ def test_killed_worker_fails_the_running_step_within_seconds(tiny_model, rank: i
     finally:
         timer.cancel()
         llm.shutdown()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_a_failure_report_names_the_killed_peer_behind_it() -> None:

@@ -1,4 +1,6 @@
-"""The real engine server in a subprocess, for the end-to-end tests of the API server."""
+"""The real engine server (`python -m baton.engine.api.cli`) in a subprocess on a free
+127.0.0.1 port: started alone or several side by side, stopped alone or all at once, with the
+checks the end-to-end tests make of it (metrics, error bodies, streams cut by a fault)."""
 
 from __future__ import annotations
 
@@ -6,11 +8,11 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,46 +20,22 @@ import httpx
 import openai
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.support.ports import free_port
+from tests.support.procs import children
+
+ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
 NAME = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    """Child process ids of `pid`, from /proc (the EngineCore is one)."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            kids.append(int(entry.name))
-    return kids
-
-
-def engine_core_pid(server_pid: int) -> int:
-    """The EngineCore process of the server `server_pid`."""
-    for pid in _children(server_pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"baton.engine.core_proc" in cmdline:
-            return pid
-    raise AssertionError(f"no EngineCore child of {server_pid}")
+# Engines started side by side share the cores, so a start allows this long per engine; a
+# loaded CI machine can take a minute for one.
+READY_SECONDS_EACH = 90.0
 
 
 class Server:
     """`python -m baton.engine.api.cli` on a free port; its output goes to a log file."""
 
     def __init__(self, model: Path, log: Path, *flags: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         cmd = [
@@ -88,7 +66,7 @@ class Server:
     def stop(self) -> None:
         """SIGTERM (drain), then SIGKILL for the server and its children if it lingers."""
         if self.proc.poll() is None:
-            kids = _children(self.proc.pid)
+            kids = children(self.proc.pid)
             self.proc.terminate()
             try:
                 self.proc.wait(15)
@@ -124,13 +102,33 @@ class Server:
 
 def start_server(model: Path, tmp: Path, *flags: str) -> Server:
     """A ready server with `flags`, logging under `tmp`; stopped again if it never gets ready."""
-    server = Server(model, tmp / f"server-{time.monotonic_ns()}.log", *flags)
+    name = f"server-{time.monotonic_ns()}"
+    return start_all(model, tmp, {name: flags})[name]
+
+
+def start_all(model: Path, tmp: Path, flags: Mapping[str, Sequence[str]]) -> dict[str, Server]:
+    """Ready servers by name, each with its flags and a log `tmp/<name>.log`. They start side by
+    side, so their EngineCores load the model on both cores at once; if one never gets ready,
+    all are stopped."""
+    servers: dict[str, Server] = {}
     try:
-        server.wait_ready()
+        for name, extra in flags.items():
+            servers[name] = Server(model, tmp / f"{name}.log", *extra)
+        timeout = READY_SECONDS_EACH * len(servers)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(lambda s: s.wait_ready(timeout), servers.values()))
     except BaseException:
-        server.stop()
+        stop_all(servers.values())
         raise
-    return server
+    return servers
+
+
+def stop_all(servers: Iterable[Server]) -> None:
+    """Stops every server at once: each drain and exit takes seconds of waiting, not of CPU."""
+    servers = list(servers)
+    if servers:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(Server.stop, servers))
 
 
 def expect_error(response: httpx.Response, status: int) -> dict[str, Any]:
