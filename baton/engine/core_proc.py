@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -100,17 +101,17 @@ def _output_thread(ctx: zmq.Context, address: str, outputs: queue.Queue) -> None
     sock.close(linger=2000)
 
 
+@dataclass
 class BusyLoop:
-    def __init__(
-        self, core: EngineCore, inputs: queue.Queue, outputs: queue.Queue, parent_pid: int
-    ) -> None:
-        self.core = core
-        self.inputs = inputs
-        self.outputs = outputs
-        self.parent_pid = parent_pid
-        self.running = True
-        self._results: list[p.UtilityResult] = []
-        self._next_parent_check = 0.0
+    """The EngineCore's one thread of scheduling; it talks to the others through two queues."""
+
+    core: EngineCore
+    inputs: queue.Queue[p.CoreInput | None]
+    outputs: queue.Queue[p.EngineCoreOutputs | None]
+    parent_pid: int  # the API server: the loop exits once it is gone
+    running: bool = True
+    _results: list[p.UtilityResult] = field(default_factory=list)  # for the next message
+    _next_parent_check: float = 0.0
 
     def _orphaned(self) -> bool:
         """True once the API server is gone; asked at most every `_IDLE_POLL_SECONDS`."""

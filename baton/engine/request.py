@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import time
 
+import msgspec
+
 from baton.engine.protocol import EngineCoreRequest
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.params import KVTransferParams
@@ -82,17 +84,9 @@ class Request:
 
     @classmethod
     def from_core_request(cls, req: EngineCoreRequest, eos_token_ids: tuple[int, ...]) -> Request:
-        """The engine's state for a request that came over the wire (or from `LLM`)."""
-        return cls(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling_params,
-            eos_token_ids,
-            arrival_time=req.arrival_time,
-            priority=req.priority,
-            group_id=req.group_id,
-            kv_transfer_params=req.kv_transfer_params,
-        )
+        """The engine's state for a request that came over the wire (or from `LLM`): the
+        wire's fields are this constructor's arguments, by name."""
+        return cls(eos_token_ids=eos_token_ids, **msgspec.structs.asdict(req))
 
     @property
     def num_prompt_tokens(self) -> int:
