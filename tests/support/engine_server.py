@@ -64,13 +64,17 @@ class Server:
         pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
 
     def stop(self) -> None:
-        """SIGTERM (drain), then SIGKILL for the server and its children if it lingers."""
+        """SIGTERM (drain); a second SIGTERM if it is still draining after a few seconds (a
+        lease a test left unclaimed would hold it for the lease time: the second signal stops it
+        at once); SIGKILL for the server and its children if it lingers even then."""
         if self.proc.poll() is None:
             kids = children(self.proc.pid)
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
+            for wait in (5, 5):
+                self.proc.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(wait)
+                    break
+            else:
                 self.proc.kill()
                 self.proc.wait(5)
             for pid in kids:
