@@ -11,6 +11,7 @@ open request fails with 503 at once, exit 1, so Kubernetes restarts the pod). It
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -217,9 +218,12 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     # uvicorn's own graceful shutdown is short: the drain below happened already.
     http = HTTPServer(app, config, lifespan="off", graceful_shutdown=2)
     stop = asyncio.Event()
+    draining: asyncio.Task[None] | None = None
 
     def on_signal(sig: signal.Signals) -> None:
-        if server.draining:  # a second signal: no more patience
+        if server.draining:  # a second signal: no more patience, not even for leases
+            if draining is not None:
+                draining.cancel()
             http.stop(force=True)
             return
         logger.info("%s: draining %d in-flight requests", sig.name, server.num_in_flight)
@@ -240,7 +244,9 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
                 exit_code = 1
                 await server.wait_idle(_DEAD_FLUSH_SECONDS)
             else:
-                await _drain(llm, server, config.shutdown_timeout)
+                draining = asyncio.create_task(_drain(llm, server, config.shutdown_timeout))
+                with contextlib.suppress(asyncio.CancelledError):
+                    await draining
             http.stop()
             await serving
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -122,6 +123,29 @@ def test_sigterm_drains_in_flight_then_exits_zero(model: Path, tmp_path: Path) -
         text = first.choices[0].text + "".join(c.choices[0].text for c in rest)
         assert rest[-1].choices[0].finish_reason == "length" and text
         assert s.proc.wait(20) == 0
+    finally:
+        s.stop()
+
+
+def test_a_second_sigterm_stops_a_drain_waiting_for_leases(model: Path, tmp_path: Path) -> None:
+    """A prefill engine drains its leases after SIGTERM (here one nobody will claim, for 30 s);
+    a second SIGTERM ends that wait and the process exits at once."""
+    s = start_server(model, tmp_path, "--role", "prefill", "--kv-lease-seconds", "30")
+    try:
+        body = {
+            "prompt": "leased",
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
+        answer = httpx.post(f"{s.url}/v1/completions", json=body).json()
+        assert answer["kv_transfer_params"]["remote_block_ids"]
+        s.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):  # waiting for the lease
+            s.proc.wait(1.5)
+        s.proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        s.proc.wait(10)
+        assert time.monotonic() - start < 3
     finally:
         s.stop()
 
