@@ -12,7 +12,6 @@ from typing import Any
 from baton.operator.spec import InferenceServiceSpec
 
 Manifest = dict[str, Any]
-CONDITION_TYPES = ("Ready", "PrefillReady", "DecodeReady", "RouterReady")
 
 
 def now_iso() -> str:
