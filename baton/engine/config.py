@@ -43,34 +43,32 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "tensor_parallel_size",
+            "max_model_len",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}"
-            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
-            )
-        if self.device not in _DEVICES:
-            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        backend = self.distributed_executor_backend
-        if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {backend!r}"
-            )
-        if backend == "uni" and self.tensor_parallel_size > 1:
+        for name, allowed in (
+            ("scheduling_policy", SCHEDULING_POLICIES),
+            ("device", _DEVICES),
+            ("distributed_executor_backend", EXECUTOR_BACKENDS),
+            ("attention_backend", ATTENTION_BACKENDS),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(
                 "distributed_executor_backend 'uni' runs one process: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs 'mp'"
@@ -80,11 +78,6 @@ class EngineArgs:
             raise ValueError(
                 f"kv port {kvt.port} leaves no room for {self.tensor_parallel_size} ranks "
                 f"(rank r serves on kv port + r)"
-            )
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
-                f"got {self.attention_backend!r}"
             )
 
     @property
