@@ -12,7 +12,7 @@ from baton.engine.config import EngineArgs
 from baton.engine.executor import Executor, make_executor
 from baton.engine.executor.base import StepResult
 from baton.engine.executor.uniproc import UniProcExecutor
-from baton.engine.kv_cache.manager import KVCacheConfig, cdiv
+from baton.engine.kv_cache.manager import KVCacheConfig
 from baton.engine.models.config import ModelConfig, parse_dtype
 from baton.engine.models.tensor_parallel import ShardLayout
 from baton.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -22,6 +22,7 @@ from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
 from baton.kv_transfer.connector import PullConnector
+from baton.kv_transfer.params import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -155,10 +156,9 @@ class EngineCore:
             num_blocks = int(budget // per_block)
         else:
             num_blocks = _CPU_KV_CACHE_BYTES // per_block
-        # Past this many blocks nothing could use them: every sequence is capped.
-        useful = cdiv(self.max_model_len, args.block_size) * args.max_num_seqs
-        num_blocks = min(num_blocks, useful)
         needed = cdiv(self.max_model_len, args.block_size)
+        # Past this many blocks nothing could use them: every sequence is capped.
+        num_blocks = min(num_blocks, needed * args.max_num_seqs)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks of {args.block_size} tokens, fewer than "
@@ -181,10 +181,6 @@ class EngineCore:
     def has_pending_transfers(self) -> bool:
         """A pull or a lease is outstanding: the loop must keep stepping even when idle."""
         return self.connector_worker is not None and self.connector_worker.has_pending()
-
-    def check_health(self) -> None:
-        """Raises `WorkerDiedError` if a worker process is gone."""
-        self.executor.check_health()
 
     def shutdown(self) -> None:
         if self.connector_worker is not None:

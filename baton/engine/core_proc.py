@@ -7,10 +7,10 @@ decodes ZMQ messages into `input_queue`, the output thread encodes what the loop
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,7 +32,7 @@ _WAKE = None  # put in the input queue to wake the loop; handled as "nothing"
 
 
 def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> None:
-    """Entry point of the EngineCore process (started by `AsyncLLM.start`, see `main`)."""
+    """The EngineCore process, as `AsyncLLM.start` runs it (`python -m`, below)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core]: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
@@ -139,7 +139,7 @@ class BusyLoop:
                     if os.getppid() != self.parent_pid:
                         logger.warning("API server is gone; exiting")
                         return
-                    core.check_health()  # an idle engine notices a dead worker too
+                    core.executor.check_health()  # an idle engine notices a dead worker too
                     if not (busy or pending):
                         continue
             while True:
@@ -187,15 +187,7 @@ class BusyLoop:
         return p.UtilityResult(call.call_id, result=result)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """`python -m baton.engine.core_proc ADDRESS LOG_LEVEL`: how `AsyncLLM` starts the core, by
-    module path, so that the API server never imports the engine's model stack."""
-    parser = argparse.ArgumentParser(prog="baton.engine.core_proc")
-    parser.add_argument("handshake_address")
-    parser.add_argument("log_level", type=int, nargs="?", default=logging.INFO)
-    args = parser.parse_args(argv)
-    run_engine_core(args.handshake_address, args.log_level)
-
-
 if __name__ == "__main__":
-    main()
+    # `python -m baton.engine.core_proc HANDSHAKE_ADDRESS LOG_LEVEL`, as `AsyncLLM.start` runs
+    # it: by module path, so that the API server never imports the engine's model stack.
+    run_engine_core(sys.argv[1], int(sys.argv[2]))
