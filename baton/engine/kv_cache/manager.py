@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from baton.engine.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
 from baton.engine.request import Request
+from baton.kv_transfer.params import cdiv
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,6 @@ class PrefixCacheStats:
 
     queries: int = 0
     hits: int = 0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

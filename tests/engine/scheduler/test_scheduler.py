@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.kv_cache.manager import cdiv
 from baton.engine.protocol import EngineCoreOutput
 from baton.engine.request import RequestStatus
 from baton.engine.scheduler.output import CachedRequestData, ModelRunnerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from baton.kv_transfer.params import cdiv
 from tests.engine.scheduler.fakes import (
     EOS,
     TOKEN,

@@ -15,13 +15,13 @@ from hypothesis.stateful import (
     rule,
 )
 
-from baton.engine.kv_cache.manager import cdiv
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
 from baton.engine.scheduler.scheduler import Scheduler
+from baton.kv_transfer.params import cdiv
 from tests.engine.scheduler.fakes import (
     EOS,
     make_request,
