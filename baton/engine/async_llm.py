@@ -31,14 +31,11 @@ from baton.engine.config import EngineArgs
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
-from baton.engine.protocol import EngineStats
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer, load_tokenizer
 from baton.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineStats"]
 
 _HELLO_TIMEOUT = 120.0  # starting a Python process that imports torch takes seconds
 _READY_TIMEOUT = 1800.0  # loading a real model can take minutes
@@ -91,7 +88,7 @@ class AsyncLLM:
     _tmp: tempfile.TemporaryDirectory[str]
 
     def __init__(self) -> None:  # use `await AsyncLLM.start(args)`
-        self.stats = EngineStats()
+        self.stats = p.EngineStats()
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}

@@ -82,7 +82,6 @@ class EngineMetrics:
         kv_transport: str | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self._stats = stats
         labels = [model_name, engine]
         self.registry.register(_EngineStatsCollector(stats, labels))
         reg = self.registry

@@ -71,9 +71,8 @@ class EngineServer:
 
     # -- admission and the drain --
 
-    def _admit(self, model: str | None) -> Callable[[], None]:
+    def _admit(self) -> Callable[[], None]:
         """Checks a generation request may start; returns the call that ends its tracking."""
-        self._check_model(model)
         if self.llm.dead_error is not None:
             raise APIError(503, f"the engine is dead: {self.llm.dead_error}")
         if self.draining:
@@ -186,7 +185,7 @@ class EngineServer:
                 text = self.tokenizer.decode(ids)
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
         kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
-        release = self._admit(req.model)
+        release = self._admit()
         streams = [
             PromptStream(
                 self.llm,
@@ -270,7 +269,7 @@ class EngineServer:
         self._check_prompt(ids, "messages")
         params = req.to_sampling_params(max_tokens)
         kv_params = self._kv_transfer_params(req.kv_transfer_params, 1, req.n)
-        release = self._admit(req.model)
+        release = self._admit()
         streams = [
             PromptStream(
                 self.llm,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from typing import cast
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -34,7 +33,7 @@ class PromptStream:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         text, ids = prompt
-        gen = llm.generate(
+        self._gen = llm.generate(
             request_id,
             ids,
             params,
@@ -42,7 +41,6 @@ class PromptStream:
             priority=priority,
             kv_transfer_params=kv_transfer_params,
         )
-        self._gen = cast("AsyncGenerator[RequestOutput, None]", gen)
         self._timer = RequestTimer(metrics, len(ids), params.n)
         self._closed = False
         self.last: RequestOutput | None = None
