@@ -46,10 +46,7 @@ class Tokenizer:
         # transformers does), so it is one token in prompts and skipped by skip_special_tokens.
         added = {t.content for t in backend.get_added_tokens_decoder().values()}
         missing = [t for t in self.special_tokens.values() if t not in added]
-        if missing:
-            backend.add_special_tokens(
-                [AddedToken(t, special=True, normalized=False) for t in missing]
-            )
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
     @property
     def vocab_size(self) -> int:
@@ -74,30 +71,15 @@ class Tokenizer:
             tokens.append(token)
         return tokens
 
+    # The overloads say only what `tokenize` returns; the implementation names the rest.
     @overload
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tokenize: Literal[True] = ...,
-        add_generation_prompt: bool = ...,
-        chat_template: str | None = ...,
-        tools: list[dict[str, Any]] | None = ...,
-        documents: list[dict[str, Any]] | None = ...,
-        **kwargs: Any,
+        self, messages: list[dict[str, Any]], *, tokenize: Literal[True] = ..., **kwargs: Any
     ) -> list[int]: ...
 
     @overload
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tokenize: Literal[False],
-        add_generation_prompt: bool = ...,
-        chat_template: str | None = ...,
-        tools: list[dict[str, Any]] | None = ...,
-        documents: list[dict[str, Any]] | None = ...,
-        **kwargs: Any,
+        self, messages: list[dict[str, Any]], *, tokenize: Literal[False], **kwargs: Any
     ) -> str: ...
 
     def apply_chat_template(
