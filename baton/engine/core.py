@@ -182,6 +182,10 @@ class EngineCore:
         """A pull or a lease is outstanding: the loop must keep stepping even when idle."""
         return self.connector_worker is not None and self.connector_worker.has_pending()
 
+    def check_health(self) -> None:
+        """Raises `WorkerDiedError` if a worker process is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()

@@ -139,7 +139,7 @@ class BusyLoop:
                     if os.getppid() != self.parent_pid:
                         logger.warning("API server is gone; exiting")
                         return
-                    core.executor.check_health()  # an idle engine notices a dead worker too
+                    core.check_health()  # an idle engine notices a dead worker too
                     if not (busy or pending):
                         continue
             while True:
