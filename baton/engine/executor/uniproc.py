@@ -6,7 +6,7 @@ import torch
 
 from baton.engine.executor.base import Executor
 from baton.engine.models.config import ModelConfig
-from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.worker.model_runner import ModelRunner, PendingOutput, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole, KVTransferConfig
 from baton.kv_transfer.connector import PullConnector
@@ -17,11 +17,6 @@ class UniProcExecutor(Executor):
 
     def __init__(self, model_config: ModelConfig, config: RunnerConfig) -> None:
         self.runner = ModelRunner(model_config, config)
-
-    @property
-    def kv_cache(self) -> torch.Tensor | None:
-        """The KV tensor, for the KV connector's worker half (which lives in this process)."""
-        return self.runner.kv_cache
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
@@ -41,9 +36,6 @@ class UniProcExecutor(Executor):
         assert self.runner.kv_cache is not None, "allocate_kv_cache first"
         worker.register_kv_cache(self.runner.kv_cache)
         return worker
-
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(out)
 
     def execute_model_async(self, out: SchedulerOutput) -> PendingOutput:
         return self.runner.execute_model_async(out)

@@ -45,10 +45,6 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
 
-    @classmethod
-    def empty(cls) -> SchedulerOutput:
-        return cls([], [], {}, 0)
-
 
 @dataclass
 class ModelRunnerOutput:
