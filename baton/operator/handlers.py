@@ -17,7 +17,7 @@ import kopf
 
 from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
-from baton.operator.api import Api
+from baton.operator.api import PLURALS, Api
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
 from baton.operator.resources import MANAGED_BY_LABEL, MANAGER
 
@@ -38,7 +38,7 @@ class Controller:
 
     async def start(self) -> None:
         self._cluster = await connect(self.kubeconfig)
-        self.reconciler = Reconciler(Api(self._cluster.client), self.default_image)
+        self.reconciler = Reconciler(Api(self._cluster), self.default_image)
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop())
 
     async def stop(self) -> None:
@@ -121,10 +121,10 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         if deleted or not reconciler.own_write(kind, namespace, name, _version(event)):
             await controller.trigger(namespace, owner)
 
-    for api_version, plural in CHILD_KINDS.values():
+    for kind, api_version in CHILD_KINDS.items():
         group, _, version = api_version.rpartition("/")
         kopf.on.event(
-            group, version, plural, labels={MANAGED_BY_LABEL: MANAGER}, registry=registry
+            group, version, PLURALS[kind], labels={MANAGED_BY_LABEL: MANAGER}, registry=registry
         )(child_changed)
 
 

@@ -14,17 +14,14 @@ from collections.abc import Mapping
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.dynamic import DynamicClient
-from kubernetes_asyncio.watch import Watch
 
 from baton.kube import (
     ROLE_LABEL,
     SERVED_MODEL_ANNOTATION,
     Cluster,
     Manifest,
-    checked,
     connect,
-    resource,
+    resource_path,
 )
 from baton.roles import ROLES, Role
 from baton.router.discovery import Endpoint, OnChange
@@ -33,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
 WATCH_SECONDS = 300  # the server ends each watch after this; the next one resumes from there
-REQUEST_TIMEOUT = 30.0  # seconds for one list
 
 # What a failed round raises: the API's answers, the connection, malformed objects.
 RETRIED = (ApiException, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
@@ -85,13 +81,14 @@ class KubernetesDiscovery:
                 try:
                     if cluster is None:
                         cluster = await connect(self._kubeconfig)
-                    client = cluster.client
                     # Either watch failing ends both; the next round relists both.
                     async with asyncio.TaskGroup() as group:
                         group.create_task(
-                            self._follow(client, "discovery.k8s.io/v1", "EndpointSlice", on_change)
+                            self._follow(
+                                cluster, "discovery.k8s.io/v1", "endpointslices", on_change
+                            )
                         )
-                        group.create_task(self._follow(client, "v1", "Service", on_change))
+                        group.create_task(self._follow(cluster, "v1", "services", on_change))
                 except* RETRIED as e:
                     delay = min(self.max_backoff, 0.5 * 2**self._failures)
                     self._failures += 1
@@ -103,61 +100,43 @@ class KubernetesDiscovery:
                 await cluster.close()
 
     async def _follow(
-        self, client: DynamicClient, api_version: str, kind: str, on_change: OnChange
+        self, cluster: Cluster, api_version: str, plural: str, on_change: OnChange
     ) -> None:
         """Keeps one kind's objects current: a list, then watches from its resourceVersion."""
-        handle = await resource(client, api_version, kind)
-        listed = await checked(
-            client.get(
-                handle,
-                namespace=self.namespace,
-                label_selector=self.selector,
-                serialize=False,
-                _request_timeout=REQUEST_TIMEOUT,
-            )
-        )
+        path = resource_path(api_version, plural, self.namespace)
+        query = {"labelSelector": self.selector}
+        listed = await cluster.request("GET", path, query=query)
         self._failures = 0
-        store = self._slices if kind == "EndpointSlice" else None
+        store = self._slices if plural == "endpointslices" else None
         fresh = {_key(item): item for item in listed.get("items") or []}
         if store is not None:
             store.clear()
             store.update(fresh)
         else:
             self._models = {key: _served_model(item) for key, item in fresh.items()}
-        self._listed.add(kind)
+        self._listed.add(plural)
         self._publish(on_change)
         version = listed["metadata"]["resourceVersion"]
-        while True:
-            # The library's watch stream: one object per line; an ERROR event (410 Gone when
-            # `version` is too old) raises ApiException, and the caller relists.
-            async with Watch() as watch:
-                events = watch.stream(
-                    client.get,
-                    handle,
-                    namespace=self.namespace,
-                    label_selector=self.selector,
-                    resource_version=version,
-                    timeout_seconds=WATCH_SECONDS,
-                    serialize=False,
-                    # (connect, read): a connection that went silent is noticed and replaced.
-                    _request_timeout=(REQUEST_TIMEOUT, WATCH_SECONDS + REQUEST_TIMEOUT),
-                )
-                async for event in events:
-                    obj = event["raw_object"]
-                    version = obj.get("metadata", {}).get("resourceVersion", version)
-                    if event["type"] == "BOOKMARK":
-                        continue
-                    key, gone = _key(obj), event["type"] == "DELETED"
-                    if store is not None:
-                        if gone:
-                            store.pop(key, None)
-                        else:
-                            store[key] = obj
-                    elif gone:
-                        self._models.pop(key, None)
+        while (
+            True
+        ):  # an ERROR event (410 Gone when `version` is too old) raises; the caller relists
+            watch = cluster.watch(path, {**query, "resourceVersion": version}, WATCH_SECONDS)
+            async for event in watch:
+                obj = event["object"]
+                version = obj.get("metadata", {}).get("resourceVersion", version)
+                if event["type"] == "BOOKMARK":
+                    continue
+                key, gone = _key(obj), event["type"] == "DELETED"
+                if store is not None:
+                    if gone:
+                        store.pop(key, None)
                     else:
-                        self._models[key] = _served_model(obj)
-                    self._publish(on_change)
+                        store[key] = obj
+                elif gone:
+                    self._models.pop(key, None)
+                else:
+                    self._models[key] = _served_model(obj)
+                self._publish(on_change)
 
     def _publish(self, on_change: OnChange) -> None:
         if len(self._listed) < 2:
