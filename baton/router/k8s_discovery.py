@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -64,13 +65,12 @@ class KubernetesDiscovery:
         self.port_name = port_name
         self.max_backoff = max_backoff
         self._kubeconfig = kubeconfig
-        self._slices: dict[ObjectKey, Manifest] = {}
-        self._models: dict[ObjectKey, str | None] = {}  # Service -> served model name
+        # What is kept of each object of each kind listed so far: a slice, a Service's served
+        # model. Nothing is published before both are listed, so engines never appear without
+        # their model first.
+        self._seen: dict[str, dict[ObjectKey, Any]] = {}
         self._published: frozenset[Endpoint] | None = None
         self._failures = 0  # consecutive failed rounds, for the backoff
-        # Kinds listed at least once: nothing is published before both are, so engines never
-        # appear without their model first.
-        self._listed: set[str] = set()
 
     async def run(self, on_change: OnChange) -> None:
         """Lists, then watches, slices and Services until cancelled; relists after any error
@@ -83,12 +83,10 @@ class KubernetesDiscovery:
                         cluster = await connect(self._kubeconfig)
                     # Either watch failing ends both; the next round relists both.
                     async with asyncio.TaskGroup() as group:
-                        group.create_task(
-                            self._follow(
-                                cluster, "discovery.k8s.io/v1", "endpointslices", on_change
-                            )
-                        )
-                        group.create_task(self._follow(cluster, "v1", "services", on_change))
+                        slices = ("discovery.k8s.io/v1", "endpointslices", _slice)
+                        group.create_task(self._follow(cluster, *slices, on_change))
+                        services = ("v1", "services", _served_model)
+                        group.create_task(self._follow(cluster, *services, on_change))
                 except* RETRIED as e:
                     delay = min(self.max_backoff, 0.5 * 2**self._failures)
                     self._failures += 1
@@ -100,46 +98,38 @@ class KubernetesDiscovery:
                 await cluster.close()
 
     async def _follow(
-        self, cluster: Cluster, api_version: str, plural: str, on_change: OnChange
+        self,
+        cluster: Cluster,
+        api_version: str,
+        plural: str,
+        keep: Callable[[Manifest], Any],
+        on_change: OnChange,
     ) -> None:
-        """Keeps one kind's objects current: a list, then watches from its resourceVersion."""
+        """Keeps what `keep` takes of one kind's objects current: a list, then watches from its
+        resourceVersion."""
         path = resource_path(api_version, plural, self.namespace)
         query = {"labelSelector": self.selector}
         listed = await cluster.request("GET", path, query=query)
         self._failures = 0
-        store = self._slices if plural == "endpointslices" else None
-        fresh = {_key(item): item for item in listed.get("items") or []}
-        if store is not None:
-            store.clear()
-            store.update(fresh)
-        else:
-            self._models = {key: _served_model(item) for key, item in fresh.items()}
-        self._listed.add(plural)
+        store = self._seen[plural] = {_key(i): keep(i) for i in listed.get("items") or []}
         self._publish(on_change)
         version = listed["metadata"]["resourceVersion"]
-        while (
-            True
-        ):  # an ERROR event (410 Gone when `version` is too old) raises; the caller relists
+        # An ERROR event (410 Gone when `version` is too old) raises; the caller relists.
+        while True:
             watch = cluster.watch(path, {**query, "resourceVersion": version}, WATCH_SECONDS)
             async for event in watch:
                 obj = event["object"]
                 version = obj.get("metadata", {}).get("resourceVersion", version)
                 if event["type"] == "BOOKMARK":
                     continue
-                key, gone = _key(obj), event["type"] == "DELETED"
-                if store is not None:
-                    if gone:
-                        store.pop(key, None)
-                    else:
-                        store[key] = obj
-                elif gone:
-                    self._models.pop(key, None)
+                if event["type"] == "DELETED":
+                    store.pop(_key(obj), None)
                 else:
-                    self._models[key] = _served_model(obj)
+                    store[_key(obj)] = keep(obj)
                 self._publish(on_change)
 
     def _publish(self, on_change: OnChange) -> None:
-        if len(self._listed) < 2:
+        if len(self._seen) < 2:
             return
         endpoints = frozenset(self.endpoints())
         if endpoints != self._published:
@@ -149,7 +139,8 @@ class KubernetesDiscovery:
     def endpoints(self) -> set[Endpoint]:
         """The ready engines in the slices seen so far."""
         result: set[Endpoint] = set()
-        for (namespace, _), item in self._slices.items():
+        models = self._seen.get("services", {})
+        for (namespace, _), item in self._seen.get("endpointslices", {}).items():
             labels = item.get("metadata", {}).get("labels") or {}
             role = ROLE_OF.get(labels.get(ROLE_LABEL, ""))
             if role is None:
@@ -159,7 +150,7 @@ class KubernetesDiscovery:
             ]
             if not ports or ports[0] is None:
                 continue
-            model = self._models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
+            model = models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
             for endpoint in item.get("endpoints") or []:
                 conditions = endpoint.get("conditions") or {}
                 # An unset `ready` means unknown, which consumers treat as ready.
@@ -174,6 +165,10 @@ class KubernetesDiscovery:
 def _key(obj: Manifest) -> ObjectKey:
     meta = obj["metadata"]
     return meta.get("namespace", ""), meta["name"]
+
+
+def _slice(endpoint_slice: Manifest) -> Manifest:
+    return endpoint_slice
 
 
 def _served_model(service: Manifest) -> str | None:
