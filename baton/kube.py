@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from kubernetes_asyncio.config.kube_config import KubeConfigLoader, load_kube_config
 from kubernetes_asyncio.dynamic.exceptions import api_exception
 from yarl import URL
-
-logger = logging.getLogger(__name__)
 
 # On every child and pod of an InferenceService: the service it belongs to.
 ISVC_LABEL = "baton.dev/inference-service"

@@ -51,10 +51,6 @@ class Controller:
         if self._cluster is not None:
             await self._cluster.close()
 
-    async def trigger(self, namespace: str, name: str) -> None:
-        if self.reconciler is not None:
-            await self.reconciler.trigger(namespace, name)
-
     async def _resync_loop(self) -> None:
         """Reconciles every service every `resync_seconds`, whatever the watches said."""
         while True:
@@ -69,7 +65,7 @@ class Controller:
                     continue
                 for item in found:
                     meta = item["metadata"]
-                    await self.trigger(meta["namespace"], meta["name"])
+                    await self.reconciler.trigger(meta["namespace"], meta["name"])
 
 
 def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
@@ -107,7 +103,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         if event.get("type") == "DELETED":
             reconciler.forget(namespace, name)
         elif not reconciler.own_write(crd.KIND, namespace, name, _version(event)):
-            await controller.trigger(namespace, name)
+            await reconciler.trigger(namespace, name)
 
     async def child_changed(
         event: kopf.RawEvent, namespace: str | None, name: str, labels: kopf.Labels, **_: Any
@@ -119,7 +115,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         kind = event.get("object", {}).get("kind", "")
         deleted = event.get("type") == "DELETED"
         if deleted or not reconciler.own_write(kind, namespace, name, _version(event)):
-            await controller.trigger(namespace, owner)
+            await reconciler.trigger(namespace, owner)
 
     for kind, api_version in CHILD_KINDS.items():
         group, _, version = api_version.rpartition("/")

@@ -88,10 +88,6 @@ class Reconciler:
     _written: dict[tuple[str, str, str], str] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
-    @property
-    def known(self) -> list[Key]:
-        return list(self._states)
-
     async def trigger(self, namespace: str, name: str) -> None:
         """Reconciles now, or once more after the pass in progress. Never raises."""
         state = self._states.setdefault((namespace, name), _KeyState())
