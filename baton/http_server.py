@@ -1,7 +1,7 @@
 """The HTTP server lifecycle that the engine's API server and the router share.
 
 Both run one ASGI app under uvicorn with the same listen settings (`ListenConfig`), the same
-deadline for reading each request (`read_timeout_protocol`), signals handled by their own code
+deadline for reading each request (`_ReadTimeoutProtocol`), signals handled by their own code
 rather than uvicorn's (`HTTPServer.handle_signals`), the same answer to a client that leaves
 before its answer is ready (`cancel_on_disconnect`) and the same process runner (`run`).
 
@@ -115,13 +115,6 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         self._disarm()
 
 
-def read_timeout_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
-    """The protocol class for `uvicorn.Config(http=...)` with `read_timeout` seconds."""
-    if read_timeout <= 0:
-        raise ValueError(f"read_timeout must be > 0, got {read_timeout}")
-    return type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), {"read_timeout": read_timeout})
-
-
 # ---- serving ---------------------------------------------------------------------------------
 
 
@@ -150,11 +143,13 @@ class HTTPServer:
         lifespan: Literal["on", "off"],
         graceful_shutdown: float,
     ) -> None:
+        # uvicorn takes a protocol class; this one drops clients slower than the read deadline.
+        timeout = {"read_timeout": listen.request_read_timeout}
         config = uvicorn.Config(
             app,
             host=listen.host,
             port=listen.port,
-            http=read_timeout_protocol(listen.request_read_timeout),  # slow clients dropped
+            http=type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), timeout),
             lifespan=lifespan,
             access_log=listen.access_log,
             log_level=listen.uvicorn_log_level,

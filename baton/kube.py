@@ -2,27 +2,30 @@
 annotation names that the operator writes and the router's discovery reads, and `connect`, the
 one way either of them reaches the API server (kubernetes_asyncio, from a kubeconfig with any
 kind of user, exec credential plugins included, or from the pod's service account).
+
+Both use a few fixed kinds, so requests go to their paths (`resource_path`) as plain JSON
+through the library's `ApiClient` (credentials, TLS, token refresh), without its models or API
+discovery.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
 from kubernetes_asyncio.client import ApiClient, Configuration
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 from kubernetes_asyncio.config.kube_config import KubeConfigLoader, load_kube_config
-from kubernetes_asyncio.dynamic import DynamicClient, LazyDiscoverer, Resource
 from kubernetes_asyncio.dynamic.exceptions import api_exception
-
-logger = logging.getLogger(__name__)
+from yarl import URL
 
 # On every child and pod of an InferenceService: the service it belongs to.
 ISVC_LABEL = "baton.dev/inference-service"
@@ -36,35 +39,83 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"
 
 Manifest = dict[str, Any]
-# A path that cannot exist, so that no discovery cache file is ever read (see MemoryDiscoverer).
-NO_CACHE_FILE = os.path.join(os.devnull, "baton-discovery")
+REQUEST_TIMEOUT = 30.0  # seconds for one call: a hung server fails the call, not stalls it
+# Seconds to the first byte of a watch request (its events then may take the watch's length).
+WATCH_CONNECT_TIMEOUT = 30.0
 
 
-class MemoryDiscoverer(LazyDiscoverer):
-    """The library's lazy API discovery, kept in memory only. By default it shares one cache
-    file per server URL in the temporary folder (never removed, read by any later process);
-    the operator's and the routers' root filesystems are read-only, and discovery is a few
-    small calls per connection."""
-
-    def _write_cache(self) -> None:
-        pass
+def resource_path(
+    api_version: str, plural: str, namespace: str | None = None, name: str = ""
+) -> str:
+    """The URL path of a collection (in `namespace`, or in every one) or of one object in it."""
+    group, _, version = api_version.rpartition("/")
+    where = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    if namespace is not None:
+        where += f"/namespaces/{namespace}"
+    return f"{where}/{plural}/{name}" if name else f"{where}/{plural}"
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """One connection to an API server: the library's generic client (any kind, custom resources
-    included, as plain JSON) over one connection pool, and the default namespace of the
-    kubeconfig context or of the pod."""
+    """One connection to an API server: the library's client over one connection pool, and the
+    default namespace of the kubeconfig context or of the pod."""
 
     api: ApiClient
-    client: DynamicClient
     namespace: str
 
-    @property
-    def configuration(self) -> Configuration:
-        """Server, TLS files and credentials (what kopf logs in with)."""
-        configuration: Configuration = self.api.configuration
-        return configuration
+    async def call(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: Manifest | None = None,
+        content_type: str = "application/json",
+        timeout: float | aiohttp.ClientTimeout = REQUEST_TIMEOUT,
+    ) -> aiohttp.ClientResponse:
+        """One request, with the user's credentials; its response unread (see `checked`).
+        `timeout`: seconds for the whole call, or aiohttp's finer limits."""
+        response: aiohttp.ClientResponse = await self.api.call_api(
+            path,
+            method,
+            query_params=list((query or {}).items()),
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+            _preload_content=False,
+            _request_timeout=timeout,
+        )
+        return response
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Manifest:
+        """The JSON answer of one `call`; raises the library's error for an error status."""
+        return await checked(await self.call(method, path, **kwargs))
+
+    async def watch(
+        self, path: str, query: Mapping[str, str], seconds: int
+    ) -> AsyncIterator[Manifest]:
+        """The events (`{"type": "ADDED", "object": {...}}`, ...) of a watch of `path`, which
+        the server ends after `seconds`. An ERROR event (410 Gone when the `resourceVersion` is
+        too old) raises the library's error for its code, as an error answer does."""
+        query = {**query, "watch": "true", "timeoutSeconds": str(seconds)}
+        # A connection that went silent is noticed and replaced.
+        timeout = aiohttp.ClientTimeout(
+            connect=WATCH_CONNECT_TIMEOUT, sock_read=seconds + WATCH_CONNECT_TIMEOUT
+        )
+        response = await self.call("GET", path, query=query, timeout=timeout)
+        if not 200 <= response.status < 300:
+            await checked(response)
+        try:
+            async for line in response.content:  # one event a line
+                if not line.strip():
+                    continue
+                event: Manifest = json.loads(line)
+                if event.get("type") == "ERROR":
+                    status = event.get("object") or {}
+                    reason = f"{status.get('reason')}: {status.get('message')}"
+                    raise api_exception(ApiException(status=status.get("code"), reason=reason))
+                yield event
+        finally:
+            response.release()
 
     async def close(self) -> None:
         await self.api.close()
@@ -114,38 +165,42 @@ def _refresh_exec_token(loader: KubeConfigLoader, configuration: Configuration) 
 
 
 async def connect(kubeconfig: str | None = None) -> Cluster:
-    """A connected `Cluster` (see `load_configuration` for where the credentials come from). The
-    generic client reads the server's API discovery once; close the cluster when done. Raises
-    the library's `UnauthorizedError` when the server refuses the credentials."""
+    """A connected `Cluster` (see `load_configuration` for where the credentials come from); close
+    it when done. Raises the library's `UnauthorizedError` when the server refuses the
+    credentials."""
     configuration, namespace = await load_configuration(kubeconfig)
-    api = ApiClient(configuration)
+    cluster = Cluster(ApiClient(configuration), namespace)
     try:
-        client = DynamicClient(api, cache_file=NO_CACHE_FILE, discoverer=MemoryDiscoverer)
-        # Discovery would take an error answer for an empty API; a plain call first fails
-        # clearly on bad credentials or a wrong server.
-        await checked(client.request("get", "/version", serialize=False))
-        await client  # reads discovery
+        _read_proxy_once(cluster.api)
+        await cluster.request("GET", "/version")  # fails clearly on bad credentials
     except BaseException:
-        await api.close()
+        await cluster.close()
         raise
-    return Cluster(api, client, namespace)
+    return cluster
 
 
-async def resource(client: DynamicClient, api_version: str, kind: str) -> Resource:
-    """The generic client's handle on one kind, e.g. `("apps/v1", "Deployment")`. Naming the
-    API group exactly keeps the lookup to that group's discovery document."""
-    group, _, version = api_version.rpartition("/")
-    found: Resource = await client.resources.get(
-        prefix="apis" if group else "api", group=group, api_version=version, kind=kind
+def _read_proxy_once(api: ApiClient) -> None:
+    """The library's session looks up the proxy variables and `~/.netrc` again on every request,
+    each in a worker thread: more than half of a call's CPU time. The proxy is looked up once
+    here instead; a netrc login is never wanted (it would clash with the token sent)."""
+    rest = api.rest_client
+    if rest.proxy is None:
+        with contextlib.suppress(LookupError):
+            proxy, auth = get_env_proxy_for_url(URL(api.configuration.host))
+            rest.proxy = str(proxy)
+            if auth is not None:
+                rest.proxy_headers = {"Proxy-Authorization": auth.encode()}
+    session: aiohttp.ClientSession = rest.pool_manager
+    # The library's read buffer: watch events of large objects exceed aiohttp's default.
+    rest.pool_manager = aiohttp.ClientSession(
+        connector=session.connector, trust_env=False, read_bufsize=2**21
     )
-    return found
+    session.detach()
 
 
-async def checked(call: Awaitable[Any]) -> Manifest:
-    """The JSON body of one generic-client call made with `serialize=False`, or the library's
-    error for its status (`NotFoundError` for 404, `ConflictError` for 409, ...): the generic
-    client itself would hand back an error's `Status` body as if it were the object."""
-    response: aiohttp.ClientResponse = await call
+async def checked(response: aiohttp.ClientResponse) -> Manifest:
+    """The JSON body of one call's response, or the library's error for its status
+    (`NotFoundError` for 404, `ConflictError` for 409, ...)."""
     try:
         body = await response.read()
     finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from baton.http_server import HTTPServer
 from baton.router.cli import add_routing_args
 
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
@@ -277,17 +278,13 @@ class Supervisor:
         return Child(name, f"http://127.0.0.1:{port}", argv)
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        try:
-            if not await self._start():
-                return 1
-            return await self._watch()
-        finally:
-            await self._stop_all()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+        with HTTPServer.handle_signals(self._on_signal):
+            try:
+                if not await self._start():
+                    return 1
+                return await self._watch()
+            finally:
+                await self._stop_all()
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if self.stopping.is_set():

@@ -1,54 +1,52 @@
-"""The operator's API calls, on plain JSON objects, through kubernetes_asyncio's generic client
-(which finds each kind's path through the server's API discovery): get, list, server-side apply,
-delete, a status patch and a create. Errors are the library's `DynamicApiError`s (an
-`ApiException` with the HTTP `status`; `NotFoundError` for 404 and so on).
+"""The operator's API calls, on plain JSON objects: get, list, server-side apply, delete, a status
+patch and a create. Errors are the library's `DynamicApiError`s (an `ApiException` with the
+HTTP `status`; `NotFoundError` for 404 and so on).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from typing import Any
 
-from kubernetes_asyncio.dynamic import DynamicClient, Resource
 from kubernetes_asyncio.dynamic.exceptions import NotFoundError
 
-from baton.kube import Manifest, checked
-from baton.kube import resource as lookup
+from baton.kube import Cluster, Manifest, resource_path
+from baton.operator import crd
 
+# The plural (path) name of every kind the operator reads or writes.
+PLURALS = {
+    crd.KIND: crd.PLURAL,
+    "Deployment": "deployments",
+    "Service": "services",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "Event": "events",
+}
+APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
 
 
+def _path(api_version: str, kind: str, namespace: str | None, name: str = "") -> str:
+    return resource_path(api_version, PLURALS[kind], namespace, name)
+
+
+def _path_of(obj: Manifest) -> str:
+    meta = obj["metadata"]
+    return _path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta.get("name", ""))
+
+
 class Api:
-    """One client's calls; resource lookups are cached for the client's life."""
+    """The operator's calls through one `Cluster`."""
 
-    def __init__(self, client: DynamicClient, timeout: float = 30.0) -> None:
-        self.client = client
-        self.timeout = timeout  # seconds for one call: a hung server fails the pass, not stalls it
-        # One lookup per kind, shared by the calls that need it meanwhile: a pass applies a
-        # dozen children at once, and each lookup that misses rewrites the discovery cache file.
-        self._resources: dict[tuple[str, str], asyncio.Task[Resource]] = {}
-
-    async def resource(self, api_version: str, kind: str) -> Resource:
-        key = (api_version, kind)
-        task = self._resources.get(key)
-        if task is None:
-            task = asyncio.ensure_future(lookup(self.client, api_version, kind))
-            self._resources[key] = task
-        try:
-            return await asyncio.shield(task)
-        except Exception:
-            if self._resources.get(key) is task:
-                del self._resources[key]  # the next call looks again
-            raise
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object, or None when it does not exist."""
-        handle = await self.resource(api_version, kind)
         try:
-            return await checked(
-                self.client.get(handle, name, namespace, serialize=False, **self._timeout)
-            )
+            return await self.cluster.request("GET", _path(api_version, kind, namespace, name))
         except NotFoundError:
             return None
 
@@ -56,16 +54,8 @@ class Api:
         self, api_version: str, kind: str, namespace: str | None, label_selector: str | None = None
     ) -> list[Manifest]:
         """The objects in `namespace` (None: every namespace) that match `label_selector`."""
-        handle = await self.resource(api_version, kind)
-        found = await checked(
-            self.client.get(
-                handle,
-                namespace=namespace,
-                label_selector=label_selector,
-                serialize=False,
-                **self._timeout,
-            )
-        )
+        query = {"labelSelector": label_selector} if label_selector else None
+        found = await self.cluster.request("GET", _path(api_version, kind, namespace), query=query)
         items: list[Manifest] = found.get("items") or []
         return items
 
@@ -73,55 +63,24 @@ class Api:
         """Server-side apply of `obj` (created when absent) as `field_manager`; with `force`,
         fields other managers changed are taken back. Returns the object as the server holds
         it."""
-        handle = await self.resource(obj["apiVersion"], obj["kind"])
-        call = self.client.server_side_apply(
-            handle,
-            body=obj,
-            field_manager=field_manager,
-            force_conflicts=force,
-            serialize=False,
-            **self._timeout,
+        query = {"fieldManager": field_manager, "force": "true" if force else "false"}
+        return await self.cluster.request(
+            "PATCH", _path_of(obj), query=query, body=obj, content_type=APPLY_PATCH
         )
-        return await checked(call)
 
     async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         """Deletes in the background (dependents are garbage-collected); absent is fine."""
-        handle = await self.resource(api_version, kind)
-        call = self.client.delete(
-            handle,
-            name,
-            namespace,
-            propagation_policy="Background",
-            serialize=False,
-            **self._timeout,
-        )
+        query = {"propagationPolicy": "Background"}
         with contextlib.suppress(NotFoundError):
-            await checked(call)
+            path = _path(api_version, kind, namespace, name)
+            await self.cluster.request("DELETE", path, query=query)
 
     async def patch_status(self, obj: Manifest, patch: Manifest) -> Manifest:
         """A JSON merge patch of `obj`'s status subresource (nulls remove keys)."""
-        handle = await self.resource(obj["apiVersion"], obj["kind"])
-        meta = obj["metadata"]
-        status: Resource = handle.subresources["status"]
-        call = self.client.patch(
-            status,
-            body=patch,
-            name=meta["name"],
-            namespace=meta["namespace"],
-            content_type=MERGE_PATCH,
-            serialize=False,
-            **self._timeout,
-        )
-        return await checked(call)
+        path = _path_of(obj) + "/status"
+        return await self.cluster.request("PATCH", path, body=patch, content_type=MERGE_PATCH)
 
     async def create(self, obj: Manifest) -> Manifest:
-        handle = await self.resource(obj["apiVersion"], obj["kind"])
-        namespace = obj["metadata"].get("namespace")
-        call = self.client.create(
-            handle, body=obj, namespace=namespace, serialize=False, **self._timeout
-        )
-        return await checked(call)
-
-    @property
-    def _timeout(self) -> dict[str, Any]:
-        return {"_request_timeout": self.timeout}
+        meta = obj["metadata"]
+        path = _path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
+        return await self.cluster.request("POST", path, body=obj)

@@ -17,7 +17,7 @@ import kopf
 
 from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
-from baton.operator.api import Api
+from baton.operator.api import PLURALS, Api
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
 from baton.operator.resources import MANAGED_BY_LABEL, MANAGER
 
@@ -38,7 +38,7 @@ class Controller:
 
     async def start(self) -> None:
         self._cluster = await connect(self.kubeconfig)
-        self.reconciler = Reconciler(Api(self._cluster.client), self.default_image)
+        self.reconciler = Reconciler(Api(self._cluster), self.default_image)
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop())
 
     async def stop(self) -> None:
@@ -50,10 +50,6 @@ class Controller:
             await self.reconciler.close()
         if self._cluster is not None:
             await self._cluster.close()
-
-    async def trigger(self, namespace: str, name: str) -> None:
-        if self.reconciler is not None:
-            await self.reconciler.trigger(namespace, name)
 
     async def _resync_loop(self) -> None:
         """Reconciles every service every `resync_seconds`, whatever the watches said."""
@@ -69,7 +65,7 @@ class Controller:
                     continue
                 for item in found:
                     meta = item["metadata"]
-                    await self.trigger(meta["namespace"], meta["name"])
+                    await self.reconciler.trigger(meta["namespace"], meta["name"])
 
 
 def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
@@ -107,7 +103,7 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         if event.get("type") == "DELETED":
             reconciler.forget(namespace, name)
         elif not reconciler.own_write(crd.KIND, namespace, name, _version(event)):
-            await controller.trigger(namespace, name)
+            await reconciler.trigger(namespace, name)
 
     async def child_changed(
         event: kopf.RawEvent, namespace: str | None, name: str, labels: kopf.Labels, **_: Any
@@ -119,12 +115,12 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         kind = event.get("object", {}).get("kind", "")
         deleted = event.get("type") == "DELETED"
         if deleted or not reconciler.own_write(kind, namespace, name, _version(event)):
-            await controller.trigger(namespace, owner)
+            await reconciler.trigger(namespace, owner)
 
-    for api_version, plural in CHILD_KINDS.values():
+    for kind, api_version in CHILD_KINDS.items():
         group, _, version = api_version.rpartition("/")
         kopf.on.event(
-            group, version, plural, labels={MANAGED_BY_LABEL: MANAGER}, registry=registry
+            group, version, PLURALS[kind], labels={MANAGED_BY_LABEL: MANAGER}, registry=registry
         )(child_changed)
 
 

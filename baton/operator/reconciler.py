@@ -41,15 +41,15 @@ logger = logging.getLogger(__name__)
 Manifest = dict[str, Any]
 Key = tuple[str, str]  # namespace, name
 
-# Kind -> (apiVersion, plural) of every kind of child.
-CHILD_KINDS: dict[str, tuple[str, str]] = {
-    "Deployment": ("apps/v1", "deployments"),
-    "Service": ("v1", "services"),
-    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
-    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
-    "ServiceAccount": ("v1", "serviceaccounts"),
-    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+# Kind -> apiVersion of every kind of child.
+CHILD_KINDS: dict[str, str] = {
+    "Deployment": "apps/v1",
+    "Service": "v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2",
+    "PodDisruptionBudget": "policy/v1",
+    "ServiceAccount": "v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
 }
 # Kinds of which a spec change can leave children behind (a mode switch, autoscaling off).
 PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
@@ -87,10 +87,6 @@ class Reconciler:
     # "expectations"). Any other version, or a deletion, still triggers one.
     _written: dict[tuple[str, str, str], str] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
-
-    @property
-    def known(self) -> list[Key]:
-        return list(self._states)
 
     async def trigger(self, namespace: str, name: str) -> None:
         """Reconciles now, or once more after the pass in progress. Never raises."""
@@ -230,7 +226,7 @@ class Reconciler:
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         selector = f"{ISVC_LABEL}={meta['name']},{MANAGED_BY_LABEL}={MANAGER}"
         for kind in PRUNED_KINDS:
-            api_version, _ = CHILD_KINDS[kind]
+            api_version = CHILD_KINDS[kind]
             found = await self.api.list(api_version, kind, meta["namespace"], selector)
             for obj in found:
                 name = obj["metadata"]["name"]

@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.dynamic import DynamicClient
-from kubernetes_asyncio.watch import Watch
 
 from baton.kube import (
     ROLE_LABEL,
     SERVED_MODEL_ANNOTATION,
     Cluster,
     Manifest,
-    checked,
     connect,
-    resource,
+    resource_path,
 )
 from baton.roles import ROLES, Role
 from baton.router.discovery import Endpoint, OnChange
@@ -33,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
 WATCH_SECONDS = 300  # the server ends each watch after this; the next one resumes from there
-REQUEST_TIMEOUT = 30.0  # seconds for one list
 
 # What a failed round raises: the API's answers, the connection, malformed objects.
 RETRIED = (ApiException, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
@@ -68,13 +65,12 @@ class KubernetesDiscovery:
         self.port_name = port_name
         self.max_backoff = max_backoff
         self._kubeconfig = kubeconfig
-        self._slices: dict[ObjectKey, Manifest] = {}
-        self._models: dict[ObjectKey, str | None] = {}  # Service -> served model name
+        # What is kept of each object of each kind listed so far: a slice, a Service's served
+        # model. Nothing is published before both are listed, so engines never appear without
+        # their model first.
+        self._seen: dict[str, dict[ObjectKey, Any]] = {}
         self._published: frozenset[Endpoint] | None = None
         self._failures = 0  # consecutive failed rounds, for the backoff
-        # Kinds listed at least once: nothing is published before both are, so engines never
-        # appear without their model first.
-        self._listed: set[str] = set()
 
     async def run(self, on_change: OnChange) -> None:
         """Lists, then watches, slices and Services until cancelled; relists after any error
@@ -85,13 +81,12 @@ class KubernetesDiscovery:
                 try:
                     if cluster is None:
                         cluster = await connect(self._kubeconfig)
-                    client = cluster.client
                     # Either watch failing ends both; the next round relists both.
                     async with asyncio.TaskGroup() as group:
-                        group.create_task(
-                            self._follow(client, "discovery.k8s.io/v1", "EndpointSlice", on_change)
-                        )
-                        group.create_task(self._follow(client, "v1", "Service", on_change))
+                        slices = ("discovery.k8s.io/v1", "endpointslices", _slice)
+                        group.create_task(self._follow(cluster, *slices, on_change))
+                        services = ("v1", "services", _served_model)
+                        group.create_task(self._follow(cluster, *services, on_change))
                 except* RETRIED as e:
                     delay = min(self.max_backoff, 0.5 * 2**self._failures)
                     self._failures += 1
@@ -103,64 +98,38 @@ class KubernetesDiscovery:
                 await cluster.close()
 
     async def _follow(
-        self, client: DynamicClient, api_version: str, kind: str, on_change: OnChange
+        self,
+        cluster: Cluster,
+        api_version: str,
+        plural: str,
+        keep: Callable[[Manifest], Any],
+        on_change: OnChange,
     ) -> None:
-        """Keeps one kind's objects current: a list, then watches from its resourceVersion."""
-        handle = await resource(client, api_version, kind)
-        listed = await checked(
-            client.get(
-                handle,
-                namespace=self.namespace,
-                label_selector=self.selector,
-                serialize=False,
-                _request_timeout=REQUEST_TIMEOUT,
-            )
-        )
+        """Keeps what `keep` takes of one kind's objects current: a list, then watches from its
+        resourceVersion."""
+        path = resource_path(api_version, plural, self.namespace)
+        query = {"labelSelector": self.selector}
+        listed = await cluster.request("GET", path, query=query)
         self._failures = 0
-        store = self._slices if kind == "EndpointSlice" else None
-        fresh = {_key(item): item for item in listed.get("items") or []}
-        if store is not None:
-            store.clear()
-            store.update(fresh)
-        else:
-            self._models = {key: _served_model(item) for key, item in fresh.items()}
-        self._listed.add(kind)
+        store = self._seen[plural] = {_key(i): keep(i) for i in listed.get("items") or []}
         self._publish(on_change)
         version = listed["metadata"]["resourceVersion"]
+        # An ERROR event (410 Gone when `version` is too old) raises; the caller relists.
         while True:
-            # The library's watch stream: one object per line; an ERROR event (410 Gone when
-            # `version` is too old) raises ApiException, and the caller relists.
-            async with Watch() as watch:
-                events = watch.stream(
-                    client.get,
-                    handle,
-                    namespace=self.namespace,
-                    label_selector=self.selector,
-                    resource_version=version,
-                    timeout_seconds=WATCH_SECONDS,
-                    serialize=False,
-                    # (connect, read): a connection that went silent is noticed and replaced.
-                    _request_timeout=(REQUEST_TIMEOUT, WATCH_SECONDS + REQUEST_TIMEOUT),
-                )
-                async for event in events:
-                    obj = event["raw_object"]
-                    version = obj.get("metadata", {}).get("resourceVersion", version)
-                    if event["type"] == "BOOKMARK":
-                        continue
-                    key, gone = _key(obj), event["type"] == "DELETED"
-                    if store is not None:
-                        if gone:
-                            store.pop(key, None)
-                        else:
-                            store[key] = obj
-                    elif gone:
-                        self._models.pop(key, None)
-                    else:
-                        self._models[key] = _served_model(obj)
-                    self._publish(on_change)
+            watch = cluster.watch(path, {**query, "resourceVersion": version}, WATCH_SECONDS)
+            async for event in watch:
+                obj = event["object"]
+                version = obj.get("metadata", {}).get("resourceVersion", version)
+                if event["type"] == "BOOKMARK":
+                    continue
+                if event["type"] == "DELETED":
+                    store.pop(_key(obj), None)
+                else:
+                    store[_key(obj)] = keep(obj)
+                self._publish(on_change)
 
     def _publish(self, on_change: OnChange) -> None:
-        if len(self._listed) < 2:
+        if len(self._seen) < 2:
             return
         endpoints = frozenset(self.endpoints())
         if endpoints != self._published:
@@ -170,7 +139,8 @@ class KubernetesDiscovery:
     def endpoints(self) -> set[Endpoint]:
         """The ready engines in the slices seen so far."""
         result: set[Endpoint] = set()
-        for (namespace, _), item in self._slices.items():
+        models = self._seen.get("services", {})
+        for (namespace, _), item in self._seen.get("endpointslices", {}).items():
             labels = item.get("metadata", {}).get("labels") or {}
             role = ROLE_OF.get(labels.get(ROLE_LABEL, ""))
             if role is None:
@@ -180,7 +150,7 @@ class KubernetesDiscovery:
             ]
             if not ports or ports[0] is None:
                 continue
-            model = self._models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
+            model = models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
             for endpoint in item.get("endpoints") or []:
                 conditions = endpoint.get("conditions") or {}
                 # An unset `ready` means unknown, which consumers treat as ready.
@@ -195,6 +165,10 @@ class KubernetesDiscovery:
 def _key(obj: Manifest) -> ObjectKey:
     meta = obj["metadata"]
     return meta.get("namespace", ""), meta["name"]
+
+
+def _slice(endpoint_slice: Manifest) -> Manifest:
+    return endpoint_slice
 
 
 def _served_model(service: Manifest) -> str | None:

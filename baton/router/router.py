@@ -126,9 +126,10 @@ class Router:
 
     # -- reading a request --
 
-    async def body(self, request: Request) -> bytes:
-        """The request's body, refused with 413 past `max_body_bytes` (by its Content-Length,
-        before reading, or as it arrives): the router holds whole bodies in memory."""
+    async def body(self, request: Request) -> tuple[bytes, Any]:
+        """The request's body as it came and as JSON; refused with 413 past `max_body_bytes` (by
+        its Content-Length, before reading, or as it arrives: the router holds whole bodies in
+        memory), with 400 when it is not JSON."""
         limit = self.config.max_body_bytes
         too_large = APIError(413, f"the request body is larger than {limit} bytes")
         length = request.headers.get("content-length")
@@ -142,14 +143,13 @@ class Router:
                     raise too_large
         except ClientDisconnect:
             raise ClientGone() from None
-        return bytes(body)
-
-    async def read(self, route: str, request: Request) -> Routed:
-        raw = await self.body(request)
         try:
-            body = json.loads(raw)
+            return bytes(body), json.loads(body)
         except ValueError as e:
             raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+    async def read(self, route: str, request: Request) -> Routed:
+        raw, body = await self.body(request)
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         headers = {"content-type": "application/json"}
@@ -278,11 +278,7 @@ class Router:
     async def forward_any(self, route: str, request: Request) -> Response:
         """/tokenize and /detokenize: any available engine of the model."""
         started = time.perf_counter()
-        raw = await self.body(request)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
+        raw, body = await self.body(request)
         model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
         roles = ALL_ROLES
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from baton.operator import crd
+from baton.operator.api import PLURALS
 from baton.operator.crd import crd_yaml
 from baton.operator.reconciler import CHILD_KINDS
 from baton.operator.resources import desired_children
@@ -83,8 +84,8 @@ def test_operator_role_covers_what_the_operator_does() -> None:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    for api_version, plural in CHILD_KINDS.values():
-        group = api_version.rpartition("/")[0]
+    for kind, api_version in CHILD_KINDS.items():
+        group, plural = api_version.rpartition("/")[0], PLURALS[kind]
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
             assert (group, plural, verb) in allowed, (group, plural, verb)
     for verb in ("get", "list", "watch"):

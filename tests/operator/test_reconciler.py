@@ -31,7 +31,7 @@ def run(kube: Kube, tmp_path: Path, body: Callable[[Reconciler], Awaitable[None]
     async def main() -> None:
         cluster = await connect(str(kube.server.write_kubeconfig(tmp_path / "kubeconfig")))
         try:
-            await body(Reconciler(Api(cluster.client)))
+            await body(Reconciler(Api(cluster)))
         finally:
             await cluster.close()
 
