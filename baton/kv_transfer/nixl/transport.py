@@ -28,12 +28,14 @@ from baton.kv_transfer.nixl.channel import (
     Lookup,
     Release,
     Reply,
-    SideChannelClient,
+    call,
+    notify,
     paired_runs,
     split_runs,
 )
 from baton.kv_transfer.nixl.server import SideChannelServer
 from baton.kv_transfer.params import RemotePrefill
+from baton.kv_transfer.sockets import KVConnectionPool
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +86,8 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, config: KVTransferConfig, *, io_timeout: float = 30.0) -> None:
+    def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
-        self._io_timeout = io_timeout
         self._agent: Any = None
         self._reg: Any = None
         self._kv: torch.Tensor | None = None
@@ -98,7 +99,7 @@ class NixlTransport:
         self._reads_ended = threading.Condition(self._lock)
         self._num_reading = 0  # reads in progress; stop() lets them end before deregistering
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._client = SideChannelClient()
+        self._pool = KVConnectionPool()  # side-channel connections
         # One thread checksums received chunks while the loader READs the next (a second core).
         self._verify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nixl-verify")
 
@@ -132,12 +133,7 @@ class NixlTransport:
         )
         self._leases = LeaseTable(kv_cache)
         self._server = SideChannelServer(
-            self.config.host,
-            self.config.port,
-            self._leases,
-            self._hello,
-            self._agent,
-            io_timeout=self._io_timeout,
+            self.config.host, self.config.port, self._leases, self._hello, self._agent
         )
         return self._server.start()
 
@@ -149,7 +145,7 @@ class NixlTransport:
         if self._leases is not None:
             self._leases.stop()
         self._verify.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
+        self._pool.close()
         with self._lock:
             # A read sees the stop flag at its next poll; one still waiting on a socket sees it
             # before it touches the agent again, so only then is it safe to let go of the memory.
@@ -192,7 +188,7 @@ class NixlTransport:
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
         message = Release(remote.engine_id, remote.request_id)
-        reply = self._client.call(remote.host, remote.port, message, deadline)
+        reply = call(self._pool, remote.host, remote.port, message, deadline)
         if isinstance(reply, str) or reply.status != Status.OK:
             logger.debug("releasing remote lease %s: %s", remote.request_id, reply)
 
@@ -215,12 +211,12 @@ class NixlTransport:
             return f"BAD_BLOCKS: remote ids out of range [0, {peer.num_blocks}) for {where}", 0
         hold = deadline - time.monotonic()
         lookup = Lookup(remote.engine_id, remote.request_id, list(remote_ids), bpb, hold)
-        reply = self._client.call(remote.host, remote.port, lookup, deadline)
+        reply = call(self._pool, remote.host, remote.port, lookup, deadline)
         if isinstance(reply, str):
             return reply, 0
         if reply.status != Status.OK:
             if reply.status == Status.UNKNOWN_ENGINE:
-                self._forget(remote.host, remote.port)
+                self._forget(peer)
             return f"{status_name(reply.status)}: {where}", 0
         if len(reply.crcs) != len(remote_ids):
             return f"PROTOCOL: {len(reply.crcs)} checksums for {len(remote_ids)} blocks", 0
@@ -238,7 +234,7 @@ class NixlTransport:
                 num_bytes,
             )
         done = Done(remote.engine_id, remote.request_id)
-        self._client.notify(remote.host, remote.port, done, deadline)
+        notify(self._pool, remote.host, remote.port, done, deadline)
         return None, num_bytes
 
     def _transfer_and_checksum(
@@ -297,7 +293,7 @@ class NixlTransport:
                 peer.agent_name,
             )
         except Exception as exc:  # nixlBackendError and friends: the remote agent is unusable
-            self._forget_peer(peer)
+            self._forget(peer)
             return f"TRANSFER_FAILED: preparing the READ: {exc}"
         state = "ERR"
         try:
@@ -329,11 +325,11 @@ class NixlTransport:
             peer = self._peers.get(key)
         if peer is not None and peer.engine_id == remote.engine_id:
             return peer
-        reply = self._client.call(remote.host, remote.port, Hello(remote.engine_id), deadline)
+        reply = call(self._pool, remote.host, remote.port, Hello(remote.engine_id), deadline)
         if isinstance(reply, str):
             return reply
         if peer is not None and peer.engine_id != reply.engine_id:
-            self._forget(*key)  # that engine restarted: its agent and memory are gone
+            self._forget(peer)  # that engine restarted: its agent and memory are gone
         if reply.status != Status.OK:
             return f"{status_name(reply.status)}: {remote.host}:{remote.port} is engine " + (
                 f"{reply.engine_id!r}, not {remote.engine_id!r}"
@@ -358,13 +354,8 @@ class NixlTransport:
             self._peers[key] = peer
         return peer
 
-    def _forget(self, host: str, port: int) -> None:
-        with self._lock:
-            peer = self._peers.pop((host, port), None)
-        if peer is not None:
-            self._drop_agent(peer)
-
-    def _forget_peer(self, peer: _Peer) -> None:
+    def _forget(self, peer: _Peer) -> None:
+        """Drops ``peer``'s agent, unless another thread already replaced or dropped it."""
         with self._lock:
             key = next((k for k, p in self._peers.items() if p is peer), None)
             if key is None:

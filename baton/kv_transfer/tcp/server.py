@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -24,7 +22,7 @@ from baton.kv_transfer.tcp.wire import (
 )
 
 
-class KVBlockServer:
+class KVBlockServer(ThreadedServer):
     """Serves leased KV blocks of one engine's cache to remote readers (the prefill side).
 
     Engine-facing methods (lease, release, expire, done_requests) are thread-safe and never block on
@@ -40,16 +38,12 @@ class KVBlockServer:
         port: int = 0,
         *,
         io_timeout: float = 30.0,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self._view = byte_view(kv_cache)
         self._block_bytes = block_bytes(kv_cache)
         self.engine_id = engine_id
-        self._leases = LeaseTable(kv_cache, clock)
-        # io_timeout: a reader that stalls mid-transfer must not pin a server thread forever.
-        self._server = ThreadedServer(
-            host, port, self._serve_one, io_timeout=io_timeout, name="kv-server"
-        )
+        self._leases = LeaseTable(kv_cache)
+        super().__init__(host, port, io_timeout=io_timeout, name="kv-server")
 
     # ------------------------------------------------------------------ engine side
 
@@ -69,25 +63,13 @@ class KVBlockServer:
         """Request ids whose reader finished since the last call; their blocks may be freed."""
         return self._leases.claimed()
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> int:
-        """Binds, starts accepting in a daemon thread, and returns the bound port."""
-        return self._server.start()
-
-    @property
-    def port(self) -> int:
-        return self._server.port
-
     def stop(self) -> None:
-        """Closes the listener and all connections, joins all threads, well within a second."""
-        self._server.stop()
+        super().stop()
         self._leases.stop()
 
     # ------------------------------------------------------------------ per connection
 
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Serves one read; False when the connection should close."""
+    def serve_one(self, conn: socket.socket) -> bool:
         head = recv_exact(conn, REQUEST.size)
         if head is None:
             return False
