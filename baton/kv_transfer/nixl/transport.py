@@ -1,9 +1,6 @@
 """The `KVTransport` over NIXL (see the package docstring): the agent and its registered KV
 tensor, the serving side's leases, and the reading side's READs of other engines' blocks.
-
-Importing this module raises ImportError when no NIXL package (``nixl``, ``nixl-cu12``,
-``nixl-cu13``) can be imported, so that ``make_transport`` falls back to TCP.
-"""
+Importing it raises ImportError when no NIXL package imports."""
 
 from __future__ import annotations
 
@@ -70,15 +67,10 @@ def _mem(kv_cache: torch.Tensor) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class _Peer:
-    """A remote engine as the reader knows it after Hello."""
+    """A remote engine as the reader knows it: its answer to Hello, and its agent added here."""
 
-    engine_id: str
+    hello: Reply
     agent_name: str
-    base_addr: int
-    num_blocks: int
-    block_bytes: int
-    mem_type: str
-    device_id: int
 
 
 class NixlTransport:
@@ -173,11 +165,8 @@ class NixlTransport:
         start = time.monotonic()
         with self._lock:
             self._num_reading += 1
-        try:
+        try:  # a bug that raises here still ends the pull: the connector reports it INTERNAL
             error, num_bytes = self._read(spec, deadline)
-        except Exception as exc:  # a bug here must still end the pull as a result
-            logger.exception("NIXL read of %s raised", spec.req_id)
-            error, num_bytes = f"INTERNAL: {exc}", 0
         finally:
             with self._lock:
                 self._num_reading -= 1
@@ -205,10 +194,13 @@ class NixlTransport:
         if isinstance(peer, str):
             return peer, 0
         bpb = block_bytes(kv)
-        if peer.block_bytes != bpb:
-            return f"BLOCK_SIZE_MISMATCH: server block {peer.block_bytes} B, local {bpb} B", 0
-        if any(not 0 <= b < peer.num_blocks for b in remote_ids):
-            return f"BAD_BLOCKS: remote ids out of range [0, {peer.num_blocks}) for {where}", 0
+        if peer.hello.block_bytes != bpb:
+            return f"BLOCK_SIZE_MISMATCH: server block {peer.hello.block_bytes} B, local {bpb} B", 0
+        if any(not 0 <= b < peer.hello.num_blocks for b in remote_ids):
+            return (
+                f"BAD_BLOCKS: remote ids out of range [0, {peer.hello.num_blocks}) for {where}",
+                0,
+            )
         hold = deadline - time.monotonic()
         lookup = Lookup(remote.engine_id, remote.request_id, list(remote_ids), bpb, hold)
         reply = call(self._pool, remote.host, remote.port, lookup, deadline)
@@ -281,15 +273,17 @@ class NixlTransport:
         # Nx3 descriptor rows (address, bytes, device id), one per run on either side
         rows = np.array(runs, dtype=np.uint64).reshape(-1, 3)
         sizes = rows[:, 2] * np.uint64(bpb)
-        remote_dev = np.full(len(rows), peer.device_id, dtype=np.uint64)
-        remote = np.stack([np.uint64(peer.base_addr) + rows[:, 0] * bpb, sizes, remote_dev], 1)
+        remote_dev = np.full(len(rows), peer.hello.device_id, dtype=np.uint64)
+        remote = np.stack(
+            [np.uint64(peer.hello.base_addr) + rows[:, 0] * bpb, sizes, remote_dev], 1
+        )
         local_devs = np.full(len(rows), local_dev, dtype=np.uint64)
         local = np.stack([np.uint64(kv.data_ptr()) + rows[:, 1] * bpb, sizes, local_devs], 1)
         try:
             handle = agent.initialize_xfer(
                 "READ",
                 agent.get_xfer_descs(local, local_mem),
-                agent.get_xfer_descs(remote, peer.mem_type),
+                agent.get_xfer_descs(remote, peer.hello.mem_type),
                 peer.agent_name,
             )
         except Exception as exc:  # nixlBackendError and friends: the remote agent is unusable
@@ -323,12 +317,12 @@ class NixlTransport:
         key = (remote.host, remote.port)
         with self._lock:
             peer = self._peers.get(key)
-        if peer is not None and peer.engine_id == remote.engine_id:
+        if peer is not None and peer.hello.engine_id == remote.engine_id:
             return peer
         reply = call(self._pool, remote.host, remote.port, Hello(remote.engine_id), deadline)
         if isinstance(reply, str):
             return reply
-        if peer is not None and peer.engine_id != reply.engine_id:
+        if peer is not None and peer.hello.engine_id != reply.engine_id:
             self._forget(peer)  # that engine restarted: its agent and memory are gone
         if reply.status != Status.OK:
             return f"{status_name(reply.status)}: {remote.host}:{remote.port} is engine " + (
@@ -340,16 +334,7 @@ class NixlTransport:
             return (
                 f"CONNECT_FAILED: loading the NIXL metadata of {remote.host}:{remote.port}: {exc}"
             )
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        peer = _Peer(
-            reply.engine_id,
-            name,
-            reply.base_addr,
-            reply.num_blocks,
-            reply.block_bytes,
-            reply.mem_type,
-            reply.device_id,
-        )
+        peer = _Peer(reply, name.decode() if isinstance(name, bytes) else str(name))
         with self._lock:
             self._peers[key] = peer
         return peer

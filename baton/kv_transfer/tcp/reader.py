@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -70,48 +71,37 @@ def read_blocks(
     num_blocks = kv_cache.shape[0]
     if any(not 0 <= b < num_blocks for b in local_block_ids):
         return result(f"BAD_ARGUMENT: local block ids out of range [0, {num_blocks})")
-    if any(not 0 <= b < 2**32 for b in remote_block_ids):
-        return result("BAD_ARGUMENT: remote block ids must fit in uint32")
     bpb = block_bytes(kv_cache)
     request = pack_request(engine_id, request_id, remote_block_ids, bpb)
-    read = _Read(view, bpb, local_block_ids, request_id, f"{host}:{port}", deadline)
+    where = f"request {request_id!r} at {host}:{port}"
+    read = _Read(request, view, bpb, local_block_ids, where, deadline)
     use = pool or KVConnectionPool()  # without a pool, the connection is closed after the read
-    error = use.exchange(
-        host, port, deadline, lambda sock: read.run(sock, request), rcvbuf=_READER_RCVBUF
-    )
+    error = use.exchange(host, port, deadline, read.run, rcvbuf=_READER_RCVBUF)
     if pool is None:
         use.close()
     return result(error, read.received)
 
 
+@dataclass
 class _Read:
     """One read's exchange; ``run`` raises `ExchangeError` when it fails."""
 
-    def __init__(
-        self,
-        view: memoryview,
-        bpb: int,
-        local_block_ids: list[int],
-        request_id: str,
-        peer: str,
-        deadline: float,
-    ) -> None:
-        self._view = view
-        self._bpb = bpb
-        self._local_ids = local_block_ids
-        self._request_id = request_id
-        self._peer = peer
-        self._deadline = deadline
-        self.received = 0  # payload bytes received
+    request: bytes  # pack_request's
+    view: memoryview  # the local KV cache's bytes
+    bpb: int
+    local_ids: list[int]
+    where: str  # the remote request, for errors
+    deadline: float
+    received: int = 0  # payload bytes received
 
-    def run(self, sock: socket.socket, request: bytes) -> None:
+    def run(self, sock: socket.socket) -> None:
         self.received = 0  # a retry on a new connection starts over
-        expected = len(self._local_ids) * self._bpb
+        expected = len(self.local_ids) * self.bpb
         got_reply = False
         try:
-            arm(sock, self._deadline)
-            sock.sendall(request)
-            head = recv_exact(sock, REPLY.size, self._deadline)
+            arm(sock, self.deadline)
+            sock.sendall(self.request)
+            head = recv_exact(sock, REPLY.size, self.deadline)
             if head is None:
                 raise ConnectionError("connection closed before the reply")
             got_reply = True
@@ -119,26 +109,19 @@ class _Read:
             if magic != REPLY_MAGIC:
                 raise ExchangeError("PROTOCOL: bad reply magic")
             if status != Status.OK:
-                bpb = self._bpb
-                detail = f" (server {server_bb}, local {bpb})" if server_bb != bpb else ""
-                where = f"request {self._request_id!r} at {self._peer}"
-                raise ExchangeError(f"{status_name(status)}: {where}{detail}")
-            if server_bb != self._bpb or total != expected:
+                detail = f" (server {server_bb}, local {self.bpb})" if server_bb != self.bpb else ""
+                raise ExchangeError(f"{status_name(status)}: {self.where}{detail}")
+            if server_bb != self.bpb or total != expected:
                 raise ExchangeError(
-                    f"BLOCK_SIZE_MISMATCH: server block {server_bb} B, local {self._bpb} B; "
+                    f"BLOCK_SIZE_MISMATCH: server block {server_bb} B, local {self.bpb} B; "
                     f"server sends {total} B, expected {expected} B"
                 )
-            crcs = self._recv_payload(sock)
-            if crcs is None:
-                raise ExchangeError(
-                    f"SHORT_READ: connection closed after {self.received} of {expected} B"
-                )
-            actual = combine(crcs)
+            actual = combine(self._recv_payload(sock, expected))
             if actual != checksum:
                 raise ExchangeError(
                     f"CHECKSUM_MISMATCH: got {actual:#018x}, server said {checksum:#018x}"
                 )
-            arm(sock, self._deadline)
+            arm(sock, self.deadline)
             sock.sendall(DONE)
         except OSError as exc:
             if is_timeout(exc):
@@ -146,27 +129,25 @@ class _Read:
             code = "SHORT_READ" if isinstance(exc, ConnectionError) else "IO_ERROR"
             raise ExchangeError(f"{code}: {exc}", stale=not got_reply) from None
 
-    def _recv_payload(self, sock: socket.socket) -> list[int] | None:
-        """Receives every block in place and returns their checksums; None on an early EOF.
-
-        Each chunk of a few blocks is checksummed as soon as it is complete: by then the kernel
-        is already taking the next chunk's bytes into the socket buffer, so the checksum pass
-        overlaps the transfer.
-        """
-        bpb, view = self._bpb, self._view
+    def _recv_payload(self, sock: socket.socket, expected: int) -> list[int]:
+        """Receives every block in place and returns their checksums, chunk by chunk (see the
+        module docstring)."""
+        bpb, view = self.bpb, self.view
         per_chunk = max(1, RECV_CHUNK_BYTES // bpb)
         crcs: list[int] = []
-        for first, count in coalesce(self._local_ids):
+        for first, count in coalesce(self.local_ids):
             for offset in range(0, count, per_chunk):
                 lo = first + offset
                 hi = lo + min(per_chunk, count - offset)
                 chunk = view[lo * bpb : hi * bpb]
                 got = 0
                 while got < len(chunk):
-                    arm(sock, self._deadline)
+                    arm(sock, self.deadline)
                     k = sock.recv_into(chunk[got:], 0, socket.MSG_WAITALL)
                     if k == 0:
-                        return None
+                        raise ExchangeError(
+                            f"SHORT_READ: connection closed after {self.received} of {expected} B"
+                        )
                     got += k
                     self.received += k
                 crcs.extend(block_checksum(view[b * bpb : (b + 1) * bpb]) for b in range(lo, hi))
