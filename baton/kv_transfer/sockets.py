@@ -80,8 +80,7 @@ def connect(
     host: str, port: int, deadline: float, *, rcvbuf: int | None = None
 ) -> socket.socket | str:
     """A new TCP_NODELAY connection to (host, port) opened by ``deadline``; else the error, as
-    ``DEADLINE: ...``, ``CONNECT_FAILED: ...`` or ``IO_ERROR: ...``. ``rcvbuf`` sizes the
-    receive buffer."""
+    ``DEADLINE: ...`` or ``CONNECT_FAILED: ...``. ``rcvbuf`` sizes the receive buffer."""
     left = deadline - time.monotonic()
     if left <= 0:
         return f"DEADLINE: connecting to {host}:{port}"
@@ -91,13 +90,9 @@ def connect(
         return f"DEADLINE: connecting to {host}:{port}"
     except OSError as exc:
         return f"CONNECT_FAILED: {host}:{port}: {exc}"
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if rcvbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    except OSError as exc:
-        sock.close()
-        return f"IO_ERROR: {exc}"
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     return sock
 
 

@@ -64,9 +64,7 @@ class SideChannelServer(ThreadedServer):
     def _progress_loop(self) -> None:
         """Polls the agent while a read holds a lease: UCX over TCP needs the target to progress."""
         while not self._stopping.is_set():
-            if not self._leases.reading.wait(_PROGRESS_IDLE_S):
-                continue
-            if not self._leases.holding():
+            if not (self._leases.reading.wait(_PROGRESS_IDLE_S) and self._leases.holding()):
                 continue
             with contextlib.suppress(Exception):
                 self._agent.get_new_notifs()
