@@ -71,7 +71,7 @@ def _child(port_q: Any, stop: Any) -> None:
     for n in SIZES:
         for mode in ("cold", "warm"):
             for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
-                srv.lease(f"{mode}-{n}-{i}", list(range(n)), time.time() + 600)
+                srv.leases.lease(f"{mode}-{n}-{i}", list(range(n)), time.time() + 600)
     kv_port = srv.start()
     raw = socket.create_server(("127.0.0.1", 0))
     raw.settimeout(0.1)

@@ -12,9 +12,6 @@ The flow (ARCHITECTURE.md, "The request's path"):
   ``update_state_after_alloc`` and parks the request in WAITING_FOR_REMOTE_KVS; the scheduler half
   puts a ``LoadSpec`` in the metadata; the worker half pulls in the background and reports the
   result; the scheduler continues the request (or applies its failure policy).
-
-Everything the scheduler half does is bookkeeping: no I/O, no blocking. Everything that can
-block (sockets, NIXL) runs on the worker half's threads, bounded by deadlines.
 """
 
 from __future__ import annotations
@@ -213,7 +210,8 @@ class KVConnectorBase(abc.ABC):
 
     Scheduler-half methods are called from the busy loop only, must not block and do no I/O;
     what they decide comes back as their return values. Worker-half methods are called from the
-    busy loop too, but own the transport's threads; what ended comes back from `get_finished`.
+    busy loop too, but own the transport's threads, where everything that blocks runs, bounded by
+    deadlines; what ended comes back from `get_finished`.
     """
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole) -> None:

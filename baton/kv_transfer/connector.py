@@ -1,8 +1,5 @@
-"""The pull connector: Baton's one KV connector, over a pluggable transport (TCP or NIXL).
-
-The prefill side leases a finished request's prompt blocks; the decode side pulls them and tells
-the prefill side it is done. Which transport moves the bytes is the worker half's business.
-"""
+"""The pull connector, Baton's one `KVConnectorBase`, over a TCP or NIXL transport (the worker
+half's choice)."""
 
 from __future__ import annotations
 
@@ -62,7 +59,6 @@ class PullConnector(KVConnectorBase):
         config: KVTransferConfig,
         role: KVConnectorRole,
         block_size: int,
-        transport: KVTransport | None = None,
         ports: list[int] | None = None,
     ) -> None:
         super().__init__(config, role)
@@ -73,7 +69,7 @@ class PullConnector(KVConnectorBase):
         # ---- scheduler half
         self._meta = KVConnectorMetadata()
         # ---- worker half
-        self.transport = transport
+        self.transport: KVTransport | None = None  # made by register_kv_cache
         self.wake: Callable[[], None] | None = None  # called when a pull ends (wakes the loop)
         self._lock = threading.Lock()
         self._done: list[TransferResult] = []
@@ -169,8 +165,7 @@ class PullConnector(KVConnectorBase):
         return self.transport.name if self.transport is not None else "none"
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        if self.transport is None:
-            self.transport = make_transport(self.config)
+        self.transport = make_transport(self.config)
         self.ports = [self.transport.start(kv_cache)]
         self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
         logger.info(

@@ -17,7 +17,6 @@ import enum
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -65,10 +64,9 @@ class _Hold:
 class LeaseTable:
     """The leases of one engine's KV cache; thread-safe, and no call blocks on I/O."""
 
-    def __init__(self, kv_cache: torch.Tensor, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, kv_cache: torch.Tensor) -> None:
         self._kv = kv_cache
         self._num_blocks = kv_cache.shape[0]
-        self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
@@ -130,7 +128,7 @@ class LeaseTable:
                 expired = request_id in self._expired
                 return (Status.EXPIRED if expired else Status.UNKNOWN_REQUEST), []
             # Checked here too, not only in expire(): the engine sweeps once per step at best.
-            if lease.expires_at < self._clock():
+            if lease.expires_at < time.time():
                 return Status.EXPIRED, []
             # A subset is fine: the reader may already hold a prefix of the prompt's blocks.
             if not ids or not lease.block_ids.issuperset(ids):

@@ -129,19 +129,16 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     def check_engine(self, role: Role | None, tensor_parallel_size: int) -> None:
         """Raises ValueError when an engine of `role` (None: no KV connector) cannot serve these
         params: the API server's check before it accepts the request."""
-        if self.do_remote_decode and role not in ("prefill", "both"):
-            raise ValueError(
-                f"{DO_REMOTE_DECODE} needs an engine of role prefill or both; this engine's role "
-                f"is {role or 'both, without a KV transport'}"
-            )
-        if self.remote is None:
-            return
-        if role not in ("decode", "both"):
-            raise ValueError(
-                f"{DO_REMOTE_PREFILL} needs an engine of role decode or both; this engine's role "
-                f"is {role or 'both, without a KV transport'}"
-            )
-        mismatch = layout_mismatch(self.remote, tensor_parallel_size)
+        for asked, key, serving_role in (
+            (self.do_remote_decode, DO_REMOTE_DECODE, "prefill"),
+            (self.do_remote_prefill, DO_REMOTE_PREFILL, "decode"),
+        ):
+            if asked and role not in (serving_role, "both"):
+                raise ValueError(
+                    f"{key} needs an engine of role {serving_role} or both; this engine's role "
+                    f"is {role or 'both, without a KV transport'}"
+                )
+        mismatch = layout_mismatch(self.remote, tensor_parallel_size) if self.remote else None
         if mismatch is not None:
             raise ValueError(mismatch.split(": ", 1)[1])
 

@@ -1,6 +1,6 @@
 """The socket plumbing both KV transports share: exact reads, kernel I/O timeouts and deadlines,
 client connections, the threaded server their block servers and side channels run on, and the
-pool of idle reader connections.
+pool of idle reader connections their exchanges run on.
 
 Sockets run in blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
 socket timeouts: a Python timeout turns every recv into poll + non-blocking recv, which halved the
@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ _ACCEPT_POLL_S = 0.05
 # A pooled connection idle longer than this is closed rather than reused; kept well under the
 # servers' default io_timeout (30 s), after which a server closes an idle connection.
 _POOL_MAX_IDLE_S = 10.0
+_POOL_MAX_IDLE_PER_PEER = 4
+
+T = TypeVar("T")
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -54,12 +58,15 @@ def is_timeout(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """n bytes; None on a clean EOF before the first byte, ConnectionError on a short one."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """n bytes; None on a clean EOF before the first byte, ConnectionError on a short one. With
+    a ``deadline`` the kernel timeouts are re-armed (``arm``) before each receive."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            arm(sock, deadline)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0:
@@ -73,8 +80,7 @@ def connect(
     host: str, port: int, deadline: float, *, rcvbuf: int | None = None
 ) -> socket.socket | str:
     """A new TCP_NODELAY connection to (host, port) opened by ``deadline``; else the error, as
-    ``DEADLINE: ...``, ``CONNECT_FAILED: ...`` or ``IO_ERROR: ...``. ``rcvbuf`` sizes the
-    receive buffer."""
+    ``DEADLINE: ...`` or ``CONNECT_FAILED: ...``. ``rcvbuf`` sizes the receive buffer."""
     left = deadline - time.monotonic()
     if left <= 0:
         return f"DEADLINE: connecting to {host}:{port}"
@@ -84,37 +90,25 @@ def connect(
         return f"DEADLINE: connecting to {host}:{port}"
     except OSError as exc:
         return f"CONNECT_FAILED: {host}:{port}: {exc}"
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if rcvbuf is not None:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    except OSError as exc:
-        sock.close()
-        return f"IO_ERROR: {exc}"
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     return sock
 
 
 class ThreadedServer:
     """A listening socket that serves each connection on its own daemon thread.
 
-    A connection's thread calls ``serve_one(conn)`` until it returns False, the peer hangs up or
-    errs, or the server stops; every send and receive is bounded by ``io_timeout``, so a peer
-    that stalls mid-exchange cannot pin a thread forever. Connections are few and long-lived
-    (readers pool them), so a thread each is cheaper than an event loop's per-call overhead.
+    A connection's thread calls ``serve_one(conn)``, which subclasses implement, until it returns
+    False, the peer hangs up or errs, or the server stops; every send and receive is bounded by
+    ``io_timeout``, so a peer that stalls mid-exchange cannot pin a thread forever. Connections
+    are few and long-lived (readers pool them), so a thread each is cheaper than an event loop's
+    per-call overhead.
     """
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        serve_one: Callable[[socket.socket], bool],
-        *,
-        io_timeout: float,
-        name: str,
-    ) -> None:
+    def __init__(self, host: str, port: int, *, name: str, io_timeout: float = 30.0) -> None:
         self._host = host
         self._port = port
-        self._serve_one = serve_one
         self._io_timeout = io_timeout
         self._name = name
         self._lock = threading.Lock()
@@ -156,6 +150,10 @@ class ThreadedServer:
         for _, thread in conns:
             thread.join(timeout=0.5)
 
+    def serve_one(self, conn: socket.socket) -> bool:
+        """Serves one exchange on ``conn``; False when the connection should close."""
+        raise NotImplementedError
+
     def _accept_loop(self, listener: socket.socket) -> None:
         with listener:
             while not self._stopping.is_set():
@@ -175,7 +173,7 @@ class ThreadedServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             with conn:
-                while not self._stopping.is_set() and self._serve_one(conn):
+                while not self._stopping.is_set() and self.serve_one(conn):
                     pass
         except OSError as exc:  # ConnectionError and timeouts included
             logger.debug("%s connection ended: %s", self._name, exc)
@@ -184,44 +182,39 @@ class ThreadedServer:
                 self._conns.pop(conn, None)
 
 
+class ExchangeError(Exception):
+    """An exchange failed; its message is the error as ``"<CODE>: detail"``. ``stale``: the
+    connection turned out dead before the peer answered, so a retry on a new one is safe."""
+
+    def __init__(self, error: str, *, stale: bool = False) -> None:
+        super().__init__(error)
+        self.stale = stale
+
+
 class KVConnectionPool:
     """Idle reader connections per (host, port), so that many reads share one connection.
 
-    Thread-safe; each connection serves one exchange at a time (a reader takes it out of the pool
-    and gives it back only after a successful exchange). A connection that saw any error or
+    Thread-safe; each connection serves one exchange at a time (`exchange` takes it out of the
+    pool and gives it back once the exchange returned). A connection that saw any error or
     refusal is closed, never reused. ``close`` closes the idle ones.
     """
 
-    def __init__(
-        self,
-        max_idle_per_peer: int = 4,
-        max_idle_s: float = _POOL_MAX_IDLE_S,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if max_idle_per_peer < 1 or max_idle_s <= 0:
-            raise ValueError(
-                f"max_idle_per_peer must be >= 1 and max_idle_s > 0, got {max_idle_per_peer}, "
-                f"{max_idle_s}"
-            )
-        self._max_idle_per_peer = max_idle_per_peer
-        self._max_idle_s = max_idle_s
-        self._clock = clock
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         # (host, port) -> idle connections with the time each was put back, most recent last
         self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
-        self.connects = 0  # connections its users opened for it, for tests and benchmarks
+        self.connects = 0  # connections it opened, for tests and benchmarks
 
     def take(self, host: str, port: int) -> socket.socket | None:
         """An idle connection to (host, port) that still looks healthy, or None."""
-        now = self._clock()
+        now = time.monotonic()
         while True:
             with self._lock:
                 idle = self._idle.get((host, port))
                 if not idle:
                     return None
                 sock, since = idle.pop()
-            if now - since <= self._max_idle_s and _looks_idle(sock):
+            if now - since <= _POOL_MAX_IDLE_S and _looks_idle(sock):
                 return sock
             sock.close()
 
@@ -229,10 +222,52 @@ class KVConnectionPool:
         """Returns a connection after a successful exchange; closes it when the pool is full."""
         with self._lock:
             idle = self._idle.setdefault((host, port), [])
-            if len(idle) < self._max_idle_per_peer:
-                idle.append((sock, self._clock()))
+            if len(idle) < _POOL_MAX_IDLE_PER_PEER:
+                idle.append((sock, time.monotonic()))
                 return
         sock.close()
+
+    def exchange(
+        self,
+        host: str,
+        port: int,
+        deadline: float,
+        run: Callable[[socket.socket], T],
+        *,
+        rcvbuf: int | None = None,
+    ) -> T | str:
+        """``run(sock)`` on an idle connection to (host, port), else on a new one (see `connect`),
+        which comes back to the pool when ``run`` returns and is closed when it raises. Returns
+        what ``run`` returned, else the error: ``connect``'s, or an `ExchangeError`'s message. A
+        pooled connection that proves stale (the server closed it while it sat idle) is retried
+        once on a new one."""
+        sock = self.take(host, port)
+        if sock is not None:
+            try:
+                return self._run(host, port, sock, run)
+            except ExchangeError as exc:
+                if not exc.stale:
+                    return str(exc)
+                logger.debug("kv pooled connection to %s:%s was dead, reconnecting", host, port)
+        new = connect(host, port, deadline, rcvbuf=rcvbuf)
+        if isinstance(new, str):
+            return new
+        self.connects += 1
+        try:
+            return self._run(host, port, new, run)
+        except ExchangeError as exc:
+            return str(exc)
+
+    def _run(
+        self, host: str, port: int, sock: socket.socket, run: Callable[[socket.socket], T]
+    ) -> T:
+        try:
+            result = run(sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.give(host, port, sock)
+        return result
 
     def close(self) -> None:
         """Closes every idle connection; the pool stays usable."""

@@ -66,7 +66,7 @@ def read(
 def wait_done(srv: KVBlockServer, timeout: float = 2.0) -> list[str]:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        done = srv.done_requests()
+        done = srv.leases.claimed()
         if done:
             return done
         time.sleep(0.005)

@@ -67,7 +67,7 @@ def test_round_trip_byte_exact(
     srv = KVBlockServer(remote, ENGINE)
     srv.start()
     try:
-        srv.lease("r1", remote_ids, time.time() + 30)
+        srv.leases.lease("r1", remote_ids, time.time() + 30)
         result = read(srv, local, "r1", remote_ids, local_ids)
         assert result.ok, result.error
         assert result.num_bytes == len(remote_ids) * block_bytes(remote)
@@ -82,7 +82,7 @@ def test_round_trip_byte_exact(
 
 def _serve_in_child(port_q: mp.Queue, stop: mp.Event, done_q: mp.Queue) -> None:
     srv = KVBlockServer(make_cache(torch.float16, seed=7), "child-engine")
-    srv.lease("x", [2, 3, 4, 8], time.time() + 30)
+    srv.leases.lease("x", [2, 3, 4, 8], time.time() + 30)
     port_q.put(srv.start())
     stop.wait(20)
     done_q.put(wait_done(srv, 5))  # DONE is one-way: it may still be on its way
@@ -115,7 +115,7 @@ def test_round_trip_across_processes() -> None:
 
 def test_wrong_engine_id(server: KVBlockServer) -> None:
     """A different engine_id (a restarted engine) is UNKNOWN_ENGINE and writes no bytes."""
-    server.lease("r", [0, 1], time.time() + 30)
+    server.leases.lease("r", [0, 1], time.time() + 30)
     local = make_cache(seed=3)
     before = local.clone()
     result = read(server, local, "r", [0, 1], [0, 1], engine="engine-old")
@@ -129,17 +129,17 @@ def test_wrong_engine_id(server: KVBlockServer) -> None:
     ("setup", "request_id", "ids", "code"),
     [
         (lambda s: None, "nobody", [0], "UNKNOWN_REQUEST"),
-        (lambda s: s.lease("r", [0, 1], time.time() - 1), "r", [0, 1], "EXPIRED"),
+        (lambda s: s.leases.lease("r", [0, 1], time.time() - 1), "r", [0, 1], "EXPIRED"),
         (
-            lambda s: (s.lease("r", [0], time.time() - 1), s.expire(time.time())),
+            lambda s: (s.leases.lease("r", [0], time.time() - 1), s.leases.expire(time.time())),
             "r",
             [0],
             "EXPIRED",
         ),
-        (lambda s: s.lease("r", [0, 1], time.time() + 30), "r", [0, 2], "BAD_BLOCKS"),
-        (lambda s: s.lease("r", [0, 1], time.time() + 30), "r", [1, 500], "BAD_BLOCKS"),
+        (lambda s: s.leases.lease("r", [0, 1], time.time() + 30), "r", [0, 2], "BAD_BLOCKS"),
+        (lambda s: s.leases.lease("r", [0, 1], time.time() + 30), "r", [1, 500], "BAD_BLOCKS"),
         (
-            lambda s: (s.lease("r", [0], time.time() + 30), s.release("r")),
+            lambda s: (s.leases.lease("r", [0], time.time() + 30), s.leases.release("r")),
             "r",
             [0],
             "UNKNOWN_REQUEST",
@@ -166,14 +166,14 @@ def test_server_error_codes(
 
 def test_subset_of_lease_is_served(server: KVBlockServer) -> None:
     """A reader may pull a subset of the leased blocks (it already holds a prefix)."""
-    server.lease("r", [0, 1, 2, 3], time.time() + 30)
+    server.leases.lease("r", [0, 1, 2, 3], time.time() + 30)
     local = torch.zeros(SHAPE)
     assert read(server, local, "r", [2, 3], [0, 1]).ok
 
 
 def test_block_size_mismatch(server: KVBlockServer) -> None:
     """Caches whose blocks differ in bytes fail clearly instead of misplacing bytes."""
-    server.lease("r", [0], time.time() + 30)
+    server.leases.lease("r", [0], time.time() + 30)
     local = torch.zeros((4, 2, 2, 4, 2, 4))  # head_dim 4, half the server's block
     result = read(server, local, "r", [0], [0])
     assert not result.ok and result.error is not None
@@ -266,30 +266,30 @@ def test_nothing_listening() -> None:
 
 
 def test_done_releases_lease(server: KVBlockServer) -> None:
-    """After DONE the request is reported once by done_requests() and its lease is gone."""
-    server.lease("r", [4, 5], time.time() + 30)
+    """After DONE the request is reported once by leases.claimed() and its lease is gone."""
+    server.leases.lease("r", [4, 5], time.time() + 30)
     local = torch.zeros(SHAPE)
     assert read(server, local, "r", [4, 5], [0, 1]).ok
     assert wait_done(server) == ["r"]
-    assert server.done_requests() == []
-    assert not server.release("r")
+    assert server.leases.claimed() == []
+    assert not server.leases.release("r")
     again = read(server, local, "r", [4, 5], [0, 1])
     assert again.error is not None and again.error.startswith("UNKNOWN_REQUEST")
 
 
 def test_expire_returns_past_leases(server: KVBlockServer) -> None:
-    """expire(now) drops exactly the leases whose time passed."""
-    server.lease("old", [0], 100.0)
-    server.lease("new", [1], 300.0)
-    assert server.expire(200.0) == ["old"]
-    assert server.expire(200.0) == []
-    assert server.release("new")
+    """leases.expire(now) drops exactly the leases whose time passed."""
+    server.leases.lease("old", [0], 100.0)
+    server.leases.lease("new", [1], 300.0)
+    assert server.leases.expire(200.0) == ["old"]
+    assert server.leases.expire(200.0) == []
+    assert server.leases.release("new")
 
 
 def test_lease_rejects_out_of_range(server: KVBlockServer) -> None:
     """Leasing blocks the cache does not have is a ValueError for the engine."""
     with pytest.raises(ValueError, match="out of range"):
-        server.lease("r", [0, SHAPE[0]], time.time() + 30)
+        server.leases.lease("r", [0, SHAPE[0]], time.time() + 30)
 
 
 def test_stop_is_prompt_with_open_connections() -> None:

@@ -34,7 +34,7 @@ def test_pool_reuses_one_connection(server: KVBlockServer) -> None:
     remote = make_cache()
     with KVConnectionPool() as pool:
         for i in range(3):
-            server.lease(f"r{i}", [i, i + 1], time.time() + 30)
+            server.leases.lease(f"r{i}", [i, i + 1], time.time() + 30)
             local = torch.zeros(SHAPE)
             result = read_blocks(
                 "127.0.0.1",
@@ -58,10 +58,10 @@ def test_pool_drops_broken_connection_and_reconnects() -> None:
     srv.start()
     try:
         with KVConnectionPool() as pool:
-            srv.lease("a", [0], time.time() + 30)
+            srv.leases.lease("a", [0], time.time() + 30)
             assert read(srv, torch.zeros(SHAPE), "a", [0], [0], pool=pool).ok
             time.sleep(0.5)  # the server's io_timeout closes the idle pooled connection
-            srv.lease("b", [1], time.time() + 30)
+            srv.leases.lease("b", [1], time.time() + 30)
             local = torch.zeros(SHAPE)
             result = read(srv, local, "b", [1], [0], pool=pool)
             assert result.ok, result.error
@@ -76,7 +76,7 @@ def test_pool_drops_connection_after_error(server: KVBlockServer) -> None:
     with KVConnectionPool() as pool:
         failed = read(server, torch.zeros(SHAPE), "nobody", [0], [0], pool=pool)
         assert failed.error is not None and failed.error.startswith("UNKNOWN_REQUEST")
-        server.lease("r", [0], time.time() + 30)
+        server.leases.lease("r", [0], time.time() + 30)
         assert read(server, torch.zeros(SHAPE), "r", [0], [0], pool=pool).ok
         assert pool.connects == 2
 
@@ -179,7 +179,7 @@ def test_multi_chunk_read_is_byte_exact(server: KVBlockServer) -> None:
     try:
         remote_ids = list(range(num_blocks))
         local_ids = remote_ids[num_blocks // 2 :] + remote_ids[: num_blocks // 2]
-        srv.lease("r", remote_ids, time.time() + 30)
+        srv.leases.lease("r", remote_ids, time.time() + 30)
         local = torch.zeros(shape)
         result = read(srv, local, "r", remote_ids, local_ids)
         assert result.ok, result.error

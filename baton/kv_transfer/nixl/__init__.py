@@ -22,8 +22,7 @@ no NIXL connection at all (a decode engine may release a lease of an engine it n
 the server gets it from the socket thread it already has instead of polling the agent from the
 engine's busy loop, and a release is answered, so its failure is visible like TCP's.
 
-A lease being read is never expired under the read: a Lookup holds it for the reader's time left
-(at most 30 s) or until its Done or release. The agent runs without NIXL's progress
+A Lookup holds the lease against expiry (``leases.py``). The agent runs without NIXL's progress
 thread, which spins a core at 100% even when idle; readers drive their own transfers by polling,
 and the server polls its agent only while a hold is active, which transports without one-sided
 hardware support (UCX over TCP) need to make progress (``server.py``).

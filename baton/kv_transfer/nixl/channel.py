@@ -1,5 +1,5 @@
 """The NIXL transport's side channel: length-prefixed msgpack messages between a reader and a
-serving engine, the reader's client over pooled connections, and block-region helpers. Nothing
+serving engine, the reader's requests over pooled connections, and block-region helpers. Nothing
 here needs the ``nixl`` package.
 """
 
@@ -12,7 +12,13 @@ import time
 
 import msgspec
 
-from baton.kv_transfer.sockets import KVConnectionPool, arm, connect, is_timeout, recv_exact
+from baton.kv_transfer.sockets import (
+    ExchangeError,
+    KVConnectionPool,
+    arm,
+    is_timeout,
+    recv_exact,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,66 +95,48 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     return payload
 
 
-# ---- the reader's client ----------------------------------------------------------------------
+# ---- the reader's requests ---------------------------------------------------------------------
 
 
-class SideChannelClient:
-    """Requests to other engines' side channels, over pooled connections; thread-safe, and no
-    call raises: failures come back as ``"<CODE>: detail"`` strings."""
+def call(
+    pool: KVConnectionPool, host: str, port: int, message: Message, deadline: float
+) -> Reply | str:
+    """One request and its reply over ``pool``; never raises: a failure comes back as
+    ``"<CODE>: detail"``."""
 
-    def __init__(self) -> None:
-        self._pool = KVConnectionPool()
+    def run(sock: socket.socket) -> Reply:
+        try:
+            arm(sock, deadline)
+            send_message(sock, message)
+            payload = recv_frame(sock)
+            if payload is None:
+                raise ConnectionError("connection closed before the reply")
+            return reply_decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise ExchangeError(f"PROTOCOL: bad reply from {host}:{port}: {exc}") from None
+        except OSError as exc:
+            if is_timeout(exc):
+                raise ExchangeError(f"DEADLINE: waiting for {host}:{port}") from None
+            error = f"SHORT_READ: side channel to {host}:{port}: {exc}"
+            raise ExchangeError(error, stale=True) from None
 
-    def call(self, host: str, port: int, message: Message, deadline: float) -> Reply | str:
-        """One request and its reply, over a pooled connection when there is one (retried once on
-        a new connection when the pooled one turns out dead before any reply byte)."""
-        for pooled in (True, False):
-            sock = self._pool.take(host, port) if pooled else connect(host, port, deadline)
-            if sock is None:
-                continue
-            if isinstance(sock, str):
-                return sock
-            replied = False
-            try:
-                arm(sock, deadline)
-                send_message(sock, message)
-                payload = recv_frame(sock)
-                replied = payload is not None
-                if payload is None:
-                    raise ConnectionError("connection closed before the reply")
-                reply = reply_decoder.decode(payload)
-            except msgspec.DecodeError as exc:
-                sock.close()
-                return f"PROTOCOL: bad reply from {host}:{port}: {exc}"
-            except OSError as exc:
-                sock.close()
-                if pooled and not replied and not is_timeout(exc):
-                    continue
-                if is_timeout(exc):
-                    return f"DEADLINE: waiting for {host}:{port}"
-                return f"SHORT_READ: side channel to {host}:{port}: {exc}"
-            self._pool.give(host, port, sock)
-            return reply
-        return f"CONNECT_FAILED: {host}:{port}"  # unreachable: the second pass always returns
+    return pool.exchange(host, port, deadline, run)
 
-    def notify(self, host: str, port: int, message: Done, deadline: float) -> None:
-        """Sends a one-way message; a lost Done leaves the lease to expire, as with TCP."""
-        sock = self._pool.take(host, port) or connect(host, port, deadline)
-        if isinstance(sock, str):
-            logger.debug("sending %s: %s", message, sock)
-            return
+
+def notify(pool: KVConnectionPool, host: str, port: int, message: Done, deadline: float) -> None:
+    """Sends a one-way message over ``pool``; a lost Done leaves the lease to expire, as with
+    TCP."""
+
+    def run(sock: socket.socket) -> None:
         try:
             arm(sock, max(deadline, time.monotonic() + _NOTIFY_MIN_TIMEOUT_S))
             send_message(sock, message)
         except OSError as exc:
-            logger.debug("sending %s: %s", message, exc)
-            sock.close()
-            return
-        self._pool.give(host, port, sock)
+            raise ExchangeError(str(exc)) from None
 
-    def close(self) -> None:
-        """Closes the idle connections; the client stays usable."""
-        self._pool.close()
+    error = pool.exchange(host, port, deadline, run)
+    if error is not None:
+        logger.debug("sending %s: %s", message, error)
 
 
 # ---- block regions ----------------------------------------------------------------------------

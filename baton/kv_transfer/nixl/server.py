@@ -28,7 +28,7 @@ _PROGRESS_POLL_S = 0.0002  # the agent's progress while a read holds a lease
 _PROGRESS_IDLE_S = 0.05  # how long the progress thread waits for a hold; bounds stop()
 
 
-class SideChannelServer:
+class SideChannelServer(ThreadedServer):
     """Serves one engine's leases to NIXL readers; ``hello`` is its answer to a Hello (the
     engine id, agent metadata and tensor layout readers need), ``agent`` its NIXL agent."""
 
@@ -39,22 +39,16 @@ class SideChannelServer:
         leases: LeaseTable,
         hello: Reply,
         agent: Any,
-        *,
-        io_timeout: float,
     ) -> None:
+        super().__init__(host, port, name="kv-nixl-accept")
         self._leases = leases
         self._hello = hello
         self._agent = agent
-        self._stopping = threading.Event()
         self._progress: threading.Thread | None = None
-        # io_timeout: a stalled side-channel peer must not pin a server thread.
-        self._server = ThreadedServer(
-            host, port, self._serve_one, io_timeout=io_timeout, name="kv-nixl-accept"
-        )
 
     def start(self) -> int:
         """Starts the side channel and the progress thread; returns the side channel's port."""
-        port = self._server.start()
+        port = super().start()
         self._progress = threading.Thread(
             target=self._progress_loop, name=f"kv-nixl-progress-{port}", daemon=True
         )
@@ -63,24 +57,20 @@ class SideChannelServer:
 
     def stop(self) -> None:
         """Stops both threads and closes every connection, well within a second."""
-        self._stopping.set()
+        super().stop()
         if self._progress is not None:
             self._progress.join(timeout=0.5)
-        self._server.stop()
 
     def _progress_loop(self) -> None:
         """Polls the agent while a read holds a lease: UCX over TCP needs the target to progress."""
         while not self._stopping.is_set():
-            if not self._leases.reading.wait(_PROGRESS_IDLE_S):
-                continue
-            if not self._leases.holding():
+            if not (self._leases.reading.wait(_PROGRESS_IDLE_S) and self._leases.holding()):
                 continue
             with contextlib.suppress(Exception):
                 self._agent.get_new_notifs()
             time.sleep(_PROGRESS_POLL_S)
 
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Answers one message; False when the connection should close."""
+    def serve_one(self, conn: socket.socket) -> bool:
         payload = recv_frame(conn)
         if payload is None:
             return False

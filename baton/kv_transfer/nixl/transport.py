@@ -1,9 +1,6 @@
 """The `KVTransport` over NIXL (see the package docstring): the agent and its registered KV
 tensor, the serving side's leases, and the reading side's READs of other engines' blocks.
-
-Importing this module raises ImportError when no NIXL package (``nixl``, ``nixl-cu12``,
-``nixl-cu13``) can be imported, so that ``make_transport`` falls back to TCP.
-"""
+Importing it raises ImportError when no NIXL package imports."""
 
 from __future__ import annotations
 
@@ -28,12 +25,14 @@ from baton.kv_transfer.nixl.channel import (
     Lookup,
     Release,
     Reply,
-    SideChannelClient,
+    call,
+    notify,
     paired_runs,
     split_runs,
 )
 from baton.kv_transfer.nixl.server import SideChannelServer
 from baton.kv_transfer.params import RemotePrefill
+from baton.kv_transfer.sockets import KVConnectionPool
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +67,10 @@ def _mem(kv_cache: torch.Tensor) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class _Peer:
-    """A remote engine as the reader knows it after Hello."""
+    """A remote engine as the reader knows it: its answer to Hello, and its agent added here."""
 
-    engine_id: str
+    hello: Reply
     agent_name: str
-    base_addr: int
-    num_blocks: int
-    block_bytes: int
-    mem_type: str
-    device_id: int
 
 
 class NixlTransport:
@@ -84,9 +78,8 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, config: KVTransferConfig, *, io_timeout: float = 30.0) -> None:
+    def __init__(self, config: KVTransferConfig) -> None:
         self.config = config
-        self._io_timeout = io_timeout
         self._agent: Any = None
         self._reg: Any = None
         self._kv: torch.Tensor | None = None
@@ -98,7 +91,7 @@ class NixlTransport:
         self._reads_ended = threading.Condition(self._lock)
         self._num_reading = 0  # reads in progress; stop() lets them end before deregistering
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._client = SideChannelClient()
+        self._pool = KVConnectionPool()  # side-channel connections
         # One thread checksums received chunks while the loader READs the next (a second core).
         self._verify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-nixl-verify")
 
@@ -132,12 +125,7 @@ class NixlTransport:
         )
         self._leases = LeaseTable(kv_cache)
         self._server = SideChannelServer(
-            self.config.host,
-            self.config.port,
-            self._leases,
-            self._hello,
-            self._agent,
-            io_timeout=self._io_timeout,
+            self.config.host, self.config.port, self._leases, self._hello, self._agent
         )
         return self._server.start()
 
@@ -149,7 +137,7 @@ class NixlTransport:
         if self._leases is not None:
             self._leases.stop()
         self._verify.shutdown(wait=True, cancel_futures=True)
-        self._client.close()
+        self._pool.close()
         with self._lock:
             # A read sees the stop flag at its next poll; one still waiting on a socket sees it
             # before it touches the agent again, so only then is it safe to let go of the memory.
@@ -177,11 +165,8 @@ class NixlTransport:
         start = time.monotonic()
         with self._lock:
             self._num_reading += 1
-        try:
+        try:  # a bug that raises here still ends the pull: the connector reports it INTERNAL
             error, num_bytes = self._read(spec, deadline)
-        except Exception as exc:  # a bug here must still end the pull as a result
-            logger.exception("NIXL read of %s raised", spec.req_id)
-            error, num_bytes = f"INTERNAL: {exc}", 0
         finally:
             with self._lock:
                 self._num_reading -= 1
@@ -192,7 +177,7 @@ class NixlTransport:
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
         message = Release(remote.engine_id, remote.request_id)
-        reply = self._client.call(remote.host, remote.port, message, deadline)
+        reply = call(self._pool, remote.host, remote.port, message, deadline)
         if isinstance(reply, str) or reply.status != Status.OK:
             logger.debug("releasing remote lease %s: %s", remote.request_id, reply)
 
@@ -209,18 +194,21 @@ class NixlTransport:
         if isinstance(peer, str):
             return peer, 0
         bpb = block_bytes(kv)
-        if peer.block_bytes != bpb:
-            return f"BLOCK_SIZE_MISMATCH: server block {peer.block_bytes} B, local {bpb} B", 0
-        if any(not 0 <= b < peer.num_blocks for b in remote_ids):
-            return f"BAD_BLOCKS: remote ids out of range [0, {peer.num_blocks}) for {where}", 0
+        if peer.hello.block_bytes != bpb:
+            return f"BLOCK_SIZE_MISMATCH: server block {peer.hello.block_bytes} B, local {bpb} B", 0
+        if any(not 0 <= b < peer.hello.num_blocks for b in remote_ids):
+            return (
+                f"BAD_BLOCKS: remote ids out of range [0, {peer.hello.num_blocks}) for {where}",
+                0,
+            )
         hold = deadline - time.monotonic()
         lookup = Lookup(remote.engine_id, remote.request_id, list(remote_ids), bpb, hold)
-        reply = self._client.call(remote.host, remote.port, lookup, deadline)
+        reply = call(self._pool, remote.host, remote.port, lookup, deadline)
         if isinstance(reply, str):
             return reply, 0
         if reply.status != Status.OK:
             if reply.status == Status.UNKNOWN_ENGINE:
-                self._forget(remote.host, remote.port)
+                self._forget(peer)
             return f"{status_name(reply.status)}: {where}", 0
         if len(reply.crcs) != len(remote_ids):
             return f"PROTOCOL: {len(reply.crcs)} checksums for {len(remote_ids)} blocks", 0
@@ -238,7 +226,7 @@ class NixlTransport:
                 num_bytes,
             )
         done = Done(remote.engine_id, remote.request_id)
-        self._client.notify(remote.host, remote.port, done, deadline)
+        notify(self._pool, remote.host, remote.port, done, deadline)
         return None, num_bytes
 
     def _transfer_and_checksum(
@@ -285,19 +273,21 @@ class NixlTransport:
         # Nx3 descriptor rows (address, bytes, device id), one per run on either side
         rows = np.array(runs, dtype=np.uint64).reshape(-1, 3)
         sizes = rows[:, 2] * np.uint64(bpb)
-        remote_dev = np.full(len(rows), peer.device_id, dtype=np.uint64)
-        remote = np.stack([np.uint64(peer.base_addr) + rows[:, 0] * bpb, sizes, remote_dev], 1)
+        remote_dev = np.full(len(rows), peer.hello.device_id, dtype=np.uint64)
+        remote = np.stack(
+            [np.uint64(peer.hello.base_addr) + rows[:, 0] * bpb, sizes, remote_dev], 1
+        )
         local_devs = np.full(len(rows), local_dev, dtype=np.uint64)
         local = np.stack([np.uint64(kv.data_ptr()) + rows[:, 1] * bpb, sizes, local_devs], 1)
         try:
             handle = agent.initialize_xfer(
                 "READ",
                 agent.get_xfer_descs(local, local_mem),
-                agent.get_xfer_descs(remote, peer.mem_type),
+                agent.get_xfer_descs(remote, peer.hello.mem_type),
                 peer.agent_name,
             )
         except Exception as exc:  # nixlBackendError and friends: the remote agent is unusable
-            self._forget_peer(peer)
+            self._forget(peer)
             return f"TRANSFER_FAILED: preparing the READ: {exc}"
         state = "ERR"
         try:
@@ -327,13 +317,13 @@ class NixlTransport:
         key = (remote.host, remote.port)
         with self._lock:
             peer = self._peers.get(key)
-        if peer is not None and peer.engine_id == remote.engine_id:
+        if peer is not None and peer.hello.engine_id == remote.engine_id:
             return peer
-        reply = self._client.call(remote.host, remote.port, Hello(remote.engine_id), deadline)
+        reply = call(self._pool, remote.host, remote.port, Hello(remote.engine_id), deadline)
         if isinstance(reply, str):
             return reply
-        if peer is not None and peer.engine_id != reply.engine_id:
-            self._forget(*key)  # that engine restarted: its agent and memory are gone
+        if peer is not None and peer.hello.engine_id != reply.engine_id:
+            self._forget(peer)  # that engine restarted: its agent and memory are gone
         if reply.status != Status.OK:
             return f"{status_name(reply.status)}: {remote.host}:{remote.port} is engine " + (
                 f"{reply.engine_id!r}, not {remote.engine_id!r}"
@@ -344,27 +334,13 @@ class NixlTransport:
             return (
                 f"CONNECT_FAILED: loading the NIXL metadata of {remote.host}:{remote.port}: {exc}"
             )
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        peer = _Peer(
-            reply.engine_id,
-            name,
-            reply.base_addr,
-            reply.num_blocks,
-            reply.block_bytes,
-            reply.mem_type,
-            reply.device_id,
-        )
+        peer = _Peer(reply, name.decode() if isinstance(name, bytes) else str(name))
         with self._lock:
             self._peers[key] = peer
         return peer
 
-    def _forget(self, host: str, port: int) -> None:
-        with self._lock:
-            peer = self._peers.pop((host, port), None)
-        if peer is not None:
-            self._drop_agent(peer)
-
-    def _forget_peer(self, peer: _Peer) -> None:
+    def _forget(self, peer: _Peer) -> None:
+        """Drops ``peer``'s agent, unless another thread already replaced or dropped it."""
         with self._lock:
             key = next((k for k, p in self._peers.items() if p is peer), None)
             if key is None:

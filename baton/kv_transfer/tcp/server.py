@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
-from collections.abc import Callable
 
 import torch
 
@@ -24,12 +22,12 @@ from baton.kv_transfer.tcp.wire import (
 )
 
 
-class KVBlockServer:
+class KVBlockServer(ThreadedServer):
     """Serves leased KV blocks of one engine's cache to remote readers (the prefill side).
 
-    Engine-facing methods (lease, release, expire, done_requests) are thread-safe and never block on
-    I/O, so the engine's busy loop may call them every step. A lease must cover blocks the engine
-    will not write or free until the lease is released, expired, or reported done.
+    The engine's side is ``leases`` (a `LeaseTable`: thread-safe, never blocking on I/O, so the
+    busy loop may call it every step). A lease must cover blocks the engine will not write or free
+    until the lease is released, expired, or reported claimed.
     """
 
     def __init__(
@@ -40,54 +38,20 @@ class KVBlockServer:
         port: int = 0,
         *,
         io_timeout: float = 30.0,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self._view = byte_view(kv_cache)
         self._block_bytes = block_bytes(kv_cache)
         self.engine_id = engine_id
-        self._leases = LeaseTable(kv_cache, clock)
-        # io_timeout: a reader that stalls mid-transfer must not pin a server thread forever.
-        self._server = ThreadedServer(
-            host, port, self._serve_one, io_timeout=io_timeout, name="kv-server"
-        )
-
-    # ------------------------------------------------------------------ engine side
-
-    def lease(self, request_id: str, block_ids: list[int], expires_at: float) -> None:
-        """Makes block_ids readable under request_id until expires_at (Unix time)."""
-        self._leases.lease(request_id, block_ids, expires_at)
-
-    def release(self, request_id: str) -> bool:
-        """Drops a lease; False when there was none."""
-        return self._leases.release(request_id)
-
-    def expire(self, now: float) -> list[str]:
-        """Drops the leases whose time passed (expires_at < now) and returns their request ids."""
-        return self._leases.expire(now)
-
-    def done_requests(self) -> list[str]:
-        """Request ids whose reader finished since the last call; their blocks may be freed."""
-        return self._leases.claimed()
-
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> int:
-        """Binds, starts accepting in a daemon thread, and returns the bound port."""
-        return self._server.start()
-
-    @property
-    def port(self) -> int:
-        return self._server.port
+        self.leases = LeaseTable(kv_cache)
+        super().__init__(host, port, io_timeout=io_timeout, name="kv-server")
 
     def stop(self) -> None:
-        """Closes the listener and all connections, joins all threads, well within a second."""
-        self._server.stop()
-        self._leases.stop()
+        super().stop()
+        self.leases.stop()
 
     # ------------------------------------------------------------------ per connection
 
-    def _serve_one(self, conn: socket.socket) -> bool:
-        """Serves one read; False when the connection should close."""
+    def serve_one(self, conn: socket.socket) -> bool:
         head = recv_exact(conn, REQUEST.size)
         if head is None:
             return False
@@ -112,12 +76,12 @@ class KVBlockServer:
         try:
             return self._send(conn, request_id, ids, sums)
         finally:
-            self._leases.end_read(request_id)
+            self.leases.end_read(request_id)
 
     def _release_for_reader(self, engine_id: str, request_id: str) -> Status:
         if engine_id != self.engine_id:
             return Status.UNKNOWN_ENGINE
-        return Status.OK if self._leases.claim(request_id) else Status.UNKNOWN_REQUEST
+        return Status.OK if self.leases.claim(request_id) else Status.UNKNOWN_REQUEST
 
     def _send(self, conn: socket.socket, request_id: str, ids: list[int], sums: list[int]) -> bool:
         bpb = self._block_bytes
@@ -127,7 +91,7 @@ class KVBlockServer:
         done = recv_exact(conn, 1)
         if done != DONE:
             return False
-        self._leases.claim(request_id)
+        self.leases.claim(request_id)
         return True
 
     def _check(
@@ -141,7 +105,7 @@ class KVBlockServer:
             return Status.BLOCK_SIZE_MISMATCH, []
         # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
         # the server's I/O timeout on every send and receive.
-        return self._leases.lookup(request_id, ids, MAX_HOLD_S)
+        return self.leases.lookup(request_id, ids, MAX_HOLD_S)
 
     def _reply(self, conn: socket.socket, status: Status) -> None:
         conn.sendall(REPLY.pack(REPLY_MAGIC, status, self._block_bytes, 0, 0))

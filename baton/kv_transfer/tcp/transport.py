@@ -41,11 +41,11 @@ class TCPTransport:
 
     def lease(self, req_id: str, block_ids: list[int], expires_at: float) -> None:
         assert self._server is not None, "start first"
-        self._server.lease(req_id, block_ids, expires_at)
+        self._server.leases.lease(req_id, block_ids, expires_at)
 
     def finished_leases(self, now: float) -> tuple[list[str], list[str]]:
         assert self._server is not None, "start first"
-        return self._server.done_requests(), self._server.expire(now)
+        return self._server.leases.claimed(), self._server.leases.expire(now)
 
     def read(self, spec: LoadSpec, deadline: float) -> TransferResult:
         assert self._kv_cache is not None, "start first"

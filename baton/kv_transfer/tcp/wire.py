@@ -9,8 +9,7 @@ Per connection (several reads may follow each other on one connection):
 
 A request with no block ids is a release: the reader will not read this lease (it failed, or it
 needs none of the blocks); the server drops the lease, reports it claimed, and replies OK with no
-payload. A lease being read is never expired under the read: ``LeaseTable.expire`` skips it, and
-the read itself is bounded by the server's I/O timeout.
+payload. A lease being read is never expired under the read (``leases.py``).
 
 The checksum (``checksum.py``, xxh3-64) is computed per block, and the header carries the
 checksum of those per-block values (big-endian uint64, in the order asked). Per-block values let
