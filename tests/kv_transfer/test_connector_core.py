@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -284,6 +285,11 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
     )
     try:
         pre = _run(prefill, [_prefill_request("p", list(range(3, 40)))])
+        # The pull waits at a gate, so that it is surely in flight when the abort comes (a local
+        # pull may otherwise end within the step that starts it).
+        transport = decode.connector_worker.transport  # the worker half: in process (uni)
+        gate, read = threading.Event(), transport.read
+        transport.read = lambda spec, deadline: gate.wait(10) and read(spec, deadline)
         decode.add_request(
             _request("d", list(range(3, 40)), GREEDY, kv_transfer_params=_params(pre["p"]))
         )
@@ -294,6 +300,10 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
         stats = decode.scheduler.make_stats()
         assert (stats.num_waiting, stats.num_running) == (1, 0)
         decode.abort_requests(["d"])
+        for _ in range(3):
+            _step(decode)
+        assert decode.scheduler.kv.usage() > 0.0  # the loader may still write into them
+        gate.set()
         _drain(decode)
         assert decode.scheduler.kv.usage() == 0.0
         assert not decode.scheduler.requests
