@@ -163,10 +163,6 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
     num_prefill = (1 if args.prefill is None else args.prefill) if disaggregated else 0
     num_decode = (1 if args.decode is None else args.decode) if disaggregated else 0
     parser = _engine_parser()
-    if num_prefill or num_decode:
-        roles = next((a.choices for a in parser._actions if a.dest == "role"), None) or ()
-        if "prefill" not in roles:
-            raise ValueError("this engine has no prefill/decode roles yet; use --engines K")
     engine_words = _argv(parser._actions, values, "engine__")
     if args.model is not None:
         engine_words = ["--model", args.model, *engine_words]
@@ -303,7 +299,7 @@ class Supervisor:
         p = self.plan
         roles = [("prefill", p.num_prefill), ("decode", p.num_decode), ("both", p.num_both)]
         self.engines = [self._engine(role, i) for role, n in roles for i in range(n)]
-        what = ", ".join(f"{n} {r if r != 'both' else 'aggregated'}" for r, n in roles if n)
+        what = " + ".join(f"{n} {r if r != 'both' else 'aggregated'}" for r, n in roles if n)
         _say(f"starting {what} engine(s); each loads the model and sizes its KV cache")
         for child in self.engines:
             await child.start()
@@ -319,7 +315,7 @@ class Supervisor:
         await self.router.start()
         if not await self._wait_healthy([self.router]):
             return False
-        await self._banner(self.router.url)
+        await self._banner(self.router.url, what)
         return True
 
     async def _wait_healthy(self, children: list[Child]) -> bool:
@@ -356,7 +352,7 @@ class Supervisor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), _POLL_SECONDS)
 
-    async def _banner(self, url: str) -> None:
+    async def _banner(self, url: str, layout: str) -> None:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client,
             client.get(f"{url}/v1/models") as response,
@@ -364,13 +360,6 @@ class Supervisor:
             models = (await response.json())["data"]
         model = models[0]["id"] if models else "MODEL"
         example = json.dumps({"model": model, "prompt": "The relay team", "max_tokens": 16})
-        p = self.plan
-        layout = (
-            f"{p.num_prefill} prefill + {p.num_decode} decode"
-            + (f" + {p.num_both} aggregated" if p.num_both else "")
-            if p.num_prefill
-            else f"{p.num_both} aggregated"
-        )
         print(
             f"\nBaton is serving `{model}` at {url}/v1 ({layout} engines)\n"
             f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"

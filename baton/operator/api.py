@@ -81,6 +81,5 @@ class Api:
         return await self.cluster.request("PATCH", path, body=patch, content_type=MERGE_PATCH)
 
     async def create(self, obj: Manifest) -> Manifest:
-        meta = obj["metadata"]
-        path = _path(obj["apiVersion"], obj["kind"], meta.get("namespace"))
-        return await self.cluster.request("POST", path, body=obj)
+        """Creates `obj`, which has no name yet (it gives a `generateName`)."""
+        return await self.cluster.request("POST", _path_of(obj), body=obj)

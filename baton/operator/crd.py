@@ -116,9 +116,6 @@ def _autoscaling(metric: str, target: str) -> Schema:
     )
 
 
-POOL_PROPERTIES_DESCRIPTION = "One pool of engine pods."
-
-
 def _pool_properties(metric: str, target: str) -> dict[str, Schema]:
     return {
         "replicas": _int(1, maximum=1000),
@@ -134,6 +131,7 @@ def _pool_properties(metric: str, target: str) -> dict[str, Schema]:
     }
 
 
+_POOL = "One pool of engine pods."
 ENGINE: Schema = _obj(
     {
         # In aggregated mode `engine` is also the pool of `role both` engines; its
@@ -184,14 +182,8 @@ SPEC: Schema = _obj(
             ["disaggregated", "aggregated"],
         ),
         "engine": ENGINE,
-        "prefill": _obj(
-            _pool_properties(PREFILL_METRIC, PREFILL_TARGET),
-            POOL_PROPERTIES_DESCRIPTION,
-            default={},
-        ),
-        "decode": _obj(
-            _pool_properties(DECODE_METRIC, DECODE_TARGET), POOL_PROPERTIES_DESCRIPTION, default={}
-        ),
+        "prefill": _obj(_pool_properties(PREFILL_METRIC, PREFILL_TARGET), _POOL, default={}),
+        "decode": _obj(_pool_properties(DECODE_METRIC, DECODE_TARGET), _POOL, default={}),
         "kvTransfer": _obj(
             {
                 "transport": _str("KV block transport.", "tcp", ["tcp", "nixl"]),

@@ -39,7 +39,7 @@ class Controller:
     async def start(self) -> None:
         self._cluster = await connect(self.kubeconfig)
         self.reconciler = Reconciler(Api(self._cluster), self.default_image)
-        self._resync = asyncio.get_running_loop().create_task(self._resync_loop())
+        self._resync = asyncio.get_running_loop().create_task(self._resync_loop(self.reconciler))
 
     async def stop(self) -> None:
         if self._resync is not None:
@@ -51,21 +51,19 @@ class Controller:
         if self._cluster is not None:
             await self._cluster.close()
 
-    async def _resync_loop(self) -> None:
+    async def _resync_loop(self, reconciler: Reconciler) -> None:
         """Reconciles every service every `resync_seconds`, whatever the watches said."""
         while True:
             await asyncio.sleep(self.resync_seconds)
-            if self.reconciler is None:
-                continue
             for namespace in self.namespaces or (None,):
                 try:
-                    found = await self.reconciler.api.list(crd.API_VERSION, crd.KIND, namespace)
+                    found = await reconciler.api.list(crd.API_VERSION, crd.KIND, namespace)
                 except Exception as e:  # the next resync tries again
                     logger.warning("resync could not list InferenceServices: %s", e)
                     continue
                 for item in found:
                     meta = item["metadata"]
-                    await self.reconciler.trigger(meta["namespace"], meta["name"])
+                    await reconciler.trigger(meta["namespace"], meta["name"])
 
 
 def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
@@ -95,10 +93,8 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
     async def service_changed(
         event: kopf.RawEvent, namespace: str | None, name: str, **_: Any
     ) -> None:
-        if namespace is None:
-            return
         reconciler = controller.reconciler
-        if reconciler is None:
+        if namespace is None or reconciler is None:
             return
         if event.get("type") == "DELETED":
             reconciler.forget(namespace, name)

@@ -69,18 +69,15 @@ def running_status(
     """Status of a valid spec; `deployments` maps component ("prefill", "decode", "engine",
     "router") to the live Deployment or None."""
     generation = isvc["metadata"].get("generation", 0)
-    if spec.mode == "aggregated":
-        # One pool does both jobs, so it stands for prefill and for decode alike.
-        prefill = decode = pool_status(deployments.get("engine"))
-        what = {"prefill": "engine", "decode": "engine"}
-    else:
-        prefill = pool_status(deployments.get("prefill"))
-        decode = pool_status(deployments.get("decode"))
-        what = {"prefill": "prefill", "decode": "decode"}
+    # One pool does both jobs when aggregated, so it stands for prefill and for decode alike.
+    aggregated = spec.mode == "aggregated"
+    prefill_pool, decode_pool = ("engine", "engine") if aggregated else ("prefill", "decode")
+    prefill = pool_status(deployments.get(prefill_pool))
+    decode = pool_status(deployments.get(decode_pool))
     router = pool_status(deployments.get("router"))
     parts = [
-        _pool_condition("PrefillReady", prefill, generation, what["prefill"]),
-        _pool_condition("DecodeReady", decode, generation, what["decode"]),
+        _pool_condition("PrefillReady", prefill, generation, prefill_pool),
+        _pool_condition("DecodeReady", decode, generation, decode_pool),
         _pool_condition("RouterReady", router, generation, "router"),
     ]
     waiting = [c["type"] for c in parts if c["status"] != "True"]

@@ -48,37 +48,32 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
     app.state.router = router
     metrics = router.metrics
 
-    async def answered(route: str, handle: Callable[[], Awaitable[Response]]) -> Response:
-        try:
-            response = await handle()
-        except APIError as e:
-            response = e.response()
-        except ClientGone:
-            response = Response(status_code=CLIENT_CLOSED)
-        metrics.request(route, response.status_code)
-        return response
+    def endpoint(
+        route: str, handle: Callable[[str, Request], Awaitable[Response]]
+    ) -> Callable[[Request], Awaitable[Response]]:
+        """`handle`'s response, or the one of the error it raised, counted by route."""
 
-    def generation(route: str) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            async def handle() -> Response:
-                return await router.generate(await router.read(route, request))
+        async def answer(request: Request) -> Response:
+            try:
+                response = await handle(route, request)
+            except APIError as e:
+                response = e.response()
+            except ClientGone:
+                response = Response(status_code=CLIENT_CLOSED)
+            metrics.request(route, response.status_code)
+            return response
 
-            return await answered(route, handle)
+        return answer
 
-        return endpoint
-
-    def tokenizer(route: str) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            return await answered(route, lambda: router.forward_any(route, request))
-
-        return endpoint
+    async def generate(route: str, request: Request) -> Response:
+        return await router.generate(await router.read(route, request))
 
     # Plain Starlette routes: FastAPI's dependency solving per request is measurable at 64
     # streams on two cores, and the bodies are the engines' to validate anyway.
     for route in ("/v1/completions", "/v1/chat/completions"):
-        app.add_route(route, generation(route), methods=["POST"])
+        app.add_route(route, endpoint(route, generate), methods=["POST"])
     for route in ("/tokenize", "/detokenize"):
-        app.add_route(route, tokenizer(route), methods=["POST"])
+        app.add_route(route, endpoint(route, router.forward_any), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

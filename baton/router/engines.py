@@ -80,9 +80,6 @@ class EngineSet:
     def __len__(self) -> int:
         return len(self._engines)
 
-    def get(self, url: str) -> EngineState | None:
-        return self._engines.get(url)
-
     def update(
         self, endpoints: Collection[Endpoint]
     ) -> tuple[list[EngineState], list[EngineState]]:
@@ -111,8 +108,4 @@ class EngineSet:
     def available(self, model: str, roles: Collection[Role]) -> list[EngineState]:
         """Engines serving `model` in one of `roles` that may take a request now."""
         now = time.monotonic()
-        return [
-            s
-            for s in self._engines.values()
-            if s.role in roles and model in s.models and s.available(now)
-        ]
+        return [s for s in self.of_model(model, roles) if s.available(now)]

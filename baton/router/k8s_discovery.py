@@ -83,7 +83,7 @@ class KubernetesDiscovery:
                         cluster = await connect(self._kubeconfig)
                     # Either watch failing ends both; the next round relists both.
                     async with asyncio.TaskGroup() as group:
-                        slices = ("discovery.k8s.io/v1", "endpointslices", _slice)
+                        slices = ("discovery.k8s.io/v1", "endpointslices", lambda s: s)
                         group.create_task(self._follow(cluster, *slices, on_change))
                         services = ("v1", "services", _served_model)
                         group.create_task(self._follow(cluster, *services, on_change))
@@ -165,10 +165,6 @@ class KubernetesDiscovery:
 def _key(obj: Manifest) -> ObjectKey:
     meta = obj["metadata"]
     return meta.get("namespace", ""), meta["name"]
-
-
-def _slice(endpoint_slice: Manifest) -> Manifest:
-    return endpoint_slice
 
 
 def _served_model(service: Manifest) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -21,13 +21,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DisaggOutcome = Literal[
     "disaggregated", "skipped_short", "skipped_cached", "decode_only_fallback", "failed"
 ]
-DISAGG_OUTCOMES: tuple[DisaggOutcome, ...] = (
-    "disaggregated",
-    "skipped_short",
-    "skipped_cached",
-    "decode_only_fallback",
-    "failed",
-)
+DISAGG_OUTCOMES: tuple[DisaggOutcome, ...] = get_args(DisaggOutcome)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0]  # fmt: skip

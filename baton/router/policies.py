@@ -30,45 +30,35 @@ class Policy(Protocol):
         ...
 
 
-class _Rotation:
-    """A counter for taking turns among equals."""
+class RoundRobin:
+    """Each candidate in turn; the other policies take turns like this among their ties."""
+
+    name = "round-robin"
 
     def __init__(self) -> None:
         self._next = 0
 
-    def take(self, candidates: Sequence[EngineState]) -> EngineState:
+    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
+        return self._take(candidates)
+
+    def _take(self, candidates: Sequence[EngineState]) -> EngineState:
         choice = candidates[self._next % len(candidates)]
         self._next += 1
         return choice
 
 
-class RoundRobin:
-    """Each candidate in turn."""
-
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._rotation = _Rotation()
-
-    def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
-        return self._rotation.take(candidates)
-
-
-class LeastLoad:
+class LeastLoad(RoundRobin):
     """The candidate with the fewest running + waiting requests (scraped, corrected by the
     router's own in-flight counts since the scrape)."""
 
     name = "least-load"
 
-    def __init__(self) -> None:
-        self._rotation = _Rotation()
-
     def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
         least = min(s.load() for s in candidates)
-        return self._rotation.take([s for s in candidates if s.load() == least])
+        return self._take([s for s in candidates if s.load() == least])
 
 
-class PrefixAware:
+class PrefixAware(RoundRobin):
     """The candidate with the best prefix match in the index, scored against load.
 
     score = matched blocks / prompt blocks - weight * (load - least load) / (least load + 8).
@@ -80,10 +70,10 @@ class PrefixAware:
     name = "prefix-aware"
 
     def __init__(self, index: PrefixIndex, block_chars: int, load_weight: float) -> None:
+        super().__init__()
         self.index = index
         self.block_chars = block_chars
         self.load_weight = load_weight
-        self._rotation = _Rotation()
 
     def scores(self, candidates: Sequence[EngineState], prompt: Prompt) -> list[float]:
         hashes = prompt.block_hashes(self.block_chars)
@@ -105,7 +95,7 @@ class PrefixAware:
             # keeps families spread over the caches instead of piling them on one by chance.
             least = min(self.index.num_blocks(s.url) for s in top)
             top = [s for s in top if self.index.num_blocks(s.url) == least]
-        return self._rotation.take(top)
+        return self._take(top)
 
 
 def session_choice(candidates: Sequence[EngineState], session_id: str) -> EngineState:

@@ -102,27 +102,22 @@ class Upstream:
                 self.metrics.retry(route)
             tried.add(engine.url)
             engine.in_flight += 1
+            answer: Answer | None = None
             try:
                 answer = await self._attempt(engine, route, content, headers, stream)
             except _Failed as e:
-                engine.in_flight -= 1
                 failures += 1
                 last_failure = f"{engine.url}: {e.message}"
                 logger.warning("request to %s%s failed: %s", engine.url, route, e.message)
                 self.health.on_failure(engine, e.kind)
                 continue
-            except BaseException:
-                engine.in_flight -= 1
-                raise
-            if answer.status == 429:
-                engine.in_flight -= 1
-                self.health.on_success(engine)
-                pushed_back = answer.body
-                continue
+            finally:
+                if answer is None or answer.stream is None:  # a stream's end releases it
+                    engine.in_flight -= 1
             self.health.on_success(engine)
-            if answer.stream is None:
-                engine.in_flight -= 1
-            return answer
+            if answer.status != 429:
+                return answer
+            pushed_back = answer.body
         if pushed_back is not None:
             raise APIError(429, _message(pushed_back) or "every engine is over its queue bound")
         if not tried:

@@ -280,10 +280,9 @@ class Router:
         started = time.perf_counter()
         raw, body = await self.body(request)
         model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
-        roles = ALL_ROLES
 
         def pick(tried: set[str]) -> EngineState | None:
-            candidates = [s for s in self.engines.available(model, roles) if s.url not in tried]
+            candidates = [s for s in self.engines.available(model, ALL_ROLES) if s.url not in tried]
             return self._any_policy.choose(candidates, Prompt()) if candidates else None
 
         answer = await self.upstream.send(
