@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.kv_transfer.checksum import block_crcs
+from baton.kv_transfer.checksum import block_bytes, block_crcs
 
 MAX_HOLD_S = 30.0  # longest a lookup protects a lease from expiry
 _EXPIRED_MEMORY = 4096  # expired ids remembered, so a late reader hears EXPIRED
@@ -62,9 +62,12 @@ class _Hold:
 
 
 class LeaseTable:
-    """The leases of one engine's KV cache; thread-safe, and no call blocks on I/O."""
+    """The leases of one engine's KV cache; thread-safe, and no call blocks on I/O. Readers name
+    the engine id and block size they expect, which a restarted engine or another layout refuses."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
+    def __init__(self, kv_cache: torch.Tensor, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.block_bytes = block_bytes(kv_cache)
         self._kv = kv_cache
         self._num_blocks = kv_cache.shape[0]
         self._lock = threading.Lock()
@@ -119,9 +122,15 @@ class LeaseTable:
 
     # ---- the readers' side
 
-    def lookup(self, request_id: str, ids: list[int], hold_s: float) -> tuple[Status, list[int]]:
+    def lookup(
+        self, engine_id: str, request_id: str, ids: list[int], block_bytes: int, hold_s: float
+    ) -> tuple[Status, list[int]]:
         """(OK, the checksum of each asked block, in the order asked) and a hold on the lease
         for at most `hold_s`, or (the refusal, [])."""
+        if engine_id != self.engine_id:
+            return Status.UNKNOWN_ENGINE, []
+        if block_bytes != self.block_bytes:
+            return Status.BLOCK_SIZE_MISMATCH, []
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None:
@@ -154,14 +163,16 @@ class LeaseTable:
                 if hold.reads <= 0:
                     self._drop_hold(request_id)
 
-    def claim(self, request_id: str) -> bool:
-        """Done or released by a reader: the lease is gone and reported claimed."""
+    def claim(self, engine_id: str, request_id: str) -> Status:
+        """Done or released by a reader: on OK the lease is gone and reported claimed."""
+        if engine_id != self.engine_id:
+            return Status.UNKNOWN_ENGINE
         with self._lock:
             self._drop_hold(request_id)
             if self._leases.pop(request_id, None) is None:
-                return False
+                return Status.UNKNOWN_REQUEST
             self._claimed.append(request_id)
-            return True
+            return Status.OK
 
     def holding(self) -> bool:
         """Whether a read may still be in progress (drops holds that ran out)."""

@@ -88,15 +88,16 @@ class SideChannelServer(ThreadedServer):
         own = self._hello.engine_id
         if isinstance(message, Hello):
             return self._hello if message.engine_id == own else Reply(Status.UNKNOWN_ENGINE, own)
-        if message.engine_id != own:
-            return None if isinstance(message, Done) else Reply(Status.UNKNOWN_ENGINE, own)
         if isinstance(message, Done):
-            self._leases.claim(message.request_id)
+            self._leases.claim(message.engine_id, message.request_id)
             return None
         if isinstance(message, Release):
-            ok = self._leases.claim(message.request_id)
-            return Reply(Status.OK if ok else Status.UNKNOWN_REQUEST, own)
-        if message.block_bytes != self._hello.block_bytes:
-            return Reply(Status.BLOCK_SIZE_MISMATCH, own, block_bytes=self._hello.block_bytes)
-        status, crcs = self._leases.lookup(message.request_id, message.block_ids, message.hold_s)
+            return Reply(self._leases.claim(message.engine_id, message.request_id), own)
+        status, crcs = self._leases.lookup(
+            message.engine_id,
+            message.request_id,
+            message.block_ids,
+            message.block_bytes,
+            message.hold_s,
+        )
         return Reply(status, own, crcs=crcs)

@@ -112,6 +112,7 @@ class NixlTransport:
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg = self._agent.register_memory(kv_cache)
         self._kv = kv_cache
+        self._leases = LeaseTable(kv_cache, self.config.engine_id)
         mem_type, device_id = _mem(kv_cache)
         self._hello = Reply(
             Status.OK,
@@ -119,11 +120,10 @@ class NixlTransport:
             agent_metadata=self._agent.get_agent_metadata(),
             base_addr=kv_cache.data_ptr(),
             num_blocks=kv_cache.shape[0],
-            block_bytes=block_bytes(kv_cache),
+            block_bytes=self._leases.block_bytes,
             mem_type=mem_type,
             device_id=device_id,
         )
-        self._leases = LeaseTable(kv_cache)
         self._server = SideChannelServer(
             self.config.host, self.config.port, self._leases, self._hello, self._agent
         )
@@ -196,11 +196,9 @@ class NixlTransport:
         bpb = block_bytes(kv)
         if peer.hello.block_bytes != bpb:
             return f"BLOCK_SIZE_MISMATCH: server block {peer.hello.block_bytes} B, local {bpb} B", 0
-        if any(not 0 <= b < peer.hello.num_blocks for b in remote_ids):
-            return (
-                f"BAD_BLOCKS: remote ids out of range [0, {peer.hello.num_blocks}) for {where}",
-                0,
-            )
+        num_remote = peer.hello.num_blocks
+        if any(not 0 <= b < num_remote for b in remote_ids):
+            return f"BAD_BLOCKS: remote ids out of range [0, {num_remote}) for {where}", 0
         hold = deadline - time.monotonic()
         lookup = Lookup(remote.engine_id, remote.request_id, list(remote_ids), bpb, hold)
         reply = call(self._pool, remote.host, remote.port, lookup, deadline)

@@ -82,6 +82,19 @@ def read_blocks(
     return result(error, read.received)
 
 
+def _request(sock: socket.socket, request: bytes, deadline: float) -> tuple[int, int, int, int]:
+    """Sends ``request``; the reply header's (status, server block_bytes, total bytes, checksum)."""
+    arm(sock, deadline)
+    sock.sendall(request)
+    head = recv_exact(sock, REPLY.size, deadline)
+    if head is None:
+        raise ConnectionError("connection closed before the reply")
+    magic, status, server_bb, total, checksum = REPLY.unpack(head)
+    if magic != REPLY_MAGIC:
+        raise ExchangeError("PROTOCOL: bad reply magic")
+    return status, server_bb, total, checksum
+
+
 @dataclass
 class _Read:
     """One read's exchange; ``run`` raises `ExchangeError` when it fails."""
@@ -99,15 +112,8 @@ class _Read:
         expected = len(self.local_ids) * self.bpb
         got_reply = False
         try:
-            arm(sock, self.deadline)
-            sock.sendall(self.request)
-            head = recv_exact(sock, REPLY.size, self.deadline)
-            if head is None:
-                raise ConnectionError("connection closed before the reply")
+            status, server_bb, total, checksum = _request(sock, self.request, self.deadline)
             got_reply = True
-            magic, status, server_bb, total, checksum = REPLY.unpack(head)
-            if magic != REPLY_MAGIC:
-                raise ExchangeError("PROTOCOL: bad reply magic")
             if status != Status.OK:
                 detail = f" (server {server_bb}, local {self.bpb})" if server_bb != self.bpb else ""
                 raise ExchangeError(f"{status_name(status)}: {self.where}{detail}")
@@ -168,17 +174,10 @@ def release_lease(
 
     def run(sock: socket.socket) -> int:
         try:
-            arm(sock, deadline)
-            sock.sendall(pack_request(engine_id, request_id, [], 0))
-            head = recv_exact(sock, REPLY.size)
+            return _request(sock, pack_request(engine_id, request_id, [], 0), deadline)[0]
         except OSError as exc:
-            raise ExchangeError(f"{'DEADLINE' if is_timeout(exc) else 'IO_ERROR'}: {exc}") from None
-        if head is None:
-            raise ExchangeError("SHORT_READ: connection closed before the reply")
-        magic, status, _, _, _ = REPLY.unpack(head)
-        if magic != REPLY_MAGIC:
-            raise ExchangeError("PROTOCOL: bad reply magic")
-        return int(status)
+            code = "SHORT_READ" if isinstance(exc, ConnectionError) else "IO_ERROR"
+            raise ExchangeError(f"{'DEADLINE' if is_timeout(exc) else code}: {exc}") from None
 
     # The same options as a read's connection: the pool may hand it to a read next.
     status = pool.exchange(host, port, deadline, run, rcvbuf=_READER_RCVBUF)

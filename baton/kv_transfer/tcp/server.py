@@ -8,7 +8,7 @@ import struct
 
 import torch
 
-from baton.kv_transfer.checksum import block_bytes, byte_view, combine
+from baton.kv_transfer.checksum import byte_view, combine
 from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
 from baton.kv_transfer.sockets import ThreadedServer, recv_exact
 from baton.kv_transfer.tcp.wire import (
@@ -40,9 +40,7 @@ class KVBlockServer(ThreadedServer):
         io_timeout: float = 30.0,
     ) -> None:
         self._view = byte_view(kv_cache)
-        self._block_bytes = block_bytes(kv_cache)
-        self.engine_id = engine_id
-        self.leases = LeaseTable(kv_cache)
+        self.leases = LeaseTable(kv_cache, engine_id)
         super().__init__(host, port, io_timeout=io_timeout, name="kv-server")
 
     def stop(self) -> None:
@@ -66,46 +64,34 @@ class KVBlockServer(ThreadedServer):
         request_id = body[engine_len : engine_len + request_len].decode("utf-8", "replace")
         ids = list(struct.unpack_from(f"!{num_blocks}I", body, engine_len + request_len))
         if not ids:
-            self._reply(conn, self._release_for_reader(engine_id, request_id))
+            self._reply(conn, self.leases.claim(engine_id, request_id))
             return True
 
-        status, sums = self._check(engine_id, request_id, ids, client_block_bytes)
+        # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
+        # the server's I/O timeout on every send and receive.
+        status, sums = self.leases.lookup(
+            engine_id, request_id, ids, client_block_bytes, MAX_HOLD_S
+        )
         if status != Status.OK:
             self._reply(conn, status)
             return True
         try:
-            return self._send(conn, request_id, ids, sums)
+            return self._send(conn, engine_id, request_id, ids, sums)
         finally:
             self.leases.end_read(request_id)
 
-    def _release_for_reader(self, engine_id: str, request_id: str) -> Status:
-        if engine_id != self.engine_id:
-            return Status.UNKNOWN_ENGINE
-        return Status.OK if self.leases.claim(request_id) else Status.UNKNOWN_REQUEST
-
-    def _send(self, conn: socket.socket, request_id: str, ids: list[int], sums: list[int]) -> bool:
-        bpb = self._block_bytes
+    def _send(
+        self, conn: socket.socket, engine_id: str, request_id: str, ids: list[int], sums: list[int]
+    ) -> bool:
+        bpb = self.leases.block_bytes
         conn.sendall(REPLY.pack(REPLY_MAGIC, Status.OK, bpb, len(ids) * bpb, combine(sums)))
         for first, count in coalesce(ids):
             conn.sendall(self._view[first * bpb : (first + count) * bpb])
         done = recv_exact(conn, 1)
         if done != DONE:
             return False
-        self.leases.claim(request_id)
+        self.leases.claim(engine_id, request_id)
         return True
 
-    def _check(
-        self, engine_id: str, request_id: str, ids: list[int], client_bb: int
-    ) -> tuple[Status, list[int]]:
-        """(OK, the checksum of each asked block) when the read may proceed, the lease then held
-        against expiry until the read ends; else (the refusal, [])."""
-        if engine_id != self.engine_id:
-            return Status.UNKNOWN_ENGINE, []
-        if client_bb != self._block_bytes:
-            return Status.BLOCK_SIZE_MISMATCH, []
-        # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
-        # the server's I/O timeout on every send and receive.
-        return self.leases.lookup(request_id, ids, MAX_HOLD_S)
-
     def _reply(self, conn: socket.socket, status: Status) -> None:
-        conn.sendall(REPLY.pack(REPLY_MAGIC, status, self._block_bytes, 0, 0))
+        conn.sendall(REPLY.pack(REPLY_MAGIC, status, self.leases.block_bytes, 0, 0))
