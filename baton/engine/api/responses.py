@@ -42,11 +42,18 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every completion response and chunk opens with, in OpenAI's order; each
+    subclass pins `object` to its own literal."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -58,10 +65,7 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
-class ChatLogprobEntry(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
+class ChatLogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
@@ -83,11 +87,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
@@ -108,21 +109,15 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -21,6 +21,7 @@ from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, col
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
+from baton.engine.sampling_params import SamplingParams
 from baton.errors import APIError
 from baton.kv_transfer.params import KVTransferParams
 
@@ -184,21 +185,10 @@ class EngineServer:
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = self.tokenizer.decode(ids)
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
-        kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
-        release = self._admit()
-        streams = [
-            PromptStream(
-                self.llm,
-                self.metrics,
-                f"cmpl-{rid}-{i}",
-                prompt,
-                params,
-                req.priority,
-                kv_params,
-            )
-            for i, (prompt, params) in enumerate(inputs)
-        ]
         response_id, created = f"cmpl-{rid}", int(time.time())
+        streams, release = self._open(
+            req, [f"{response_id}-{i}" for i in range(len(inputs))], inputs
+        )
         if not req.stream:
             return await self._respond(
                 streams,
@@ -251,9 +241,7 @@ class EngineServer:
                         choice["prompt_token_ids"] = out.prompt_token_ids
                 yield chunk([r.CompletionChoice(**choice)], **usage)
 
-        return self._stream(
-            streams, release, [], chunks, lambda u: chunk([], usage=u) if usage else None
-        )
+        return self._stream(streams, release, [], chunks, chunk, bool(usage))
 
     # -- chat completions --
 
@@ -267,21 +255,9 @@ class EngineServer:
             req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
         )
         self._check_prompt(ids, "messages")
-        params = req.to_sampling_params(max_tokens)
-        kv_params = self._kv_transfer_params(req.kv_transfer_params, 1, req.n)
-        release = self._admit()
-        streams = [
-            PromptStream(
-                self.llm,
-                self.metrics,
-                f"chatcmpl-{rid}",
-                (None, ids),
-                params,
-                req.priority,
-                kv_params,
-            )
-        ]
         response_id, created = f"chatcmpl-{rid}", int(time.time())
+        inputs = [((None, ids), req.to_sampling_params(max_tokens))]
+        streams, release = self._open(req, [response_id], inputs)
         if not req.stream:
             return await self._respond(
                 streams,
@@ -332,11 +308,25 @@ class EngineServer:
             choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
             head.append(chunk([choice], **usage, **first))
-        return self._stream(
-            streams, release, head, chunks, lambda u: chunk([], usage=u) if usage else None
-        )
+        return self._stream(streams, release, head, chunks, chunk, bool(usage))
 
     # -- both --
+
+    def _open(
+        self,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        request_ids: list[str],
+        inputs: Sequence[tuple[tuple[str | None, list[int]], SamplingParams]],
+    ) -> tuple[list[PromptStream], Callable[[], None]]:
+        """Admits the request and starts one engine request per prompt; the call returned ends
+        the admission's tracking."""
+        kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
+        release = self._admit()
+        streams = [
+            PromptStream(self.llm, self.metrics, rid, prompt, params, req.priority, kv_params)
+            for rid, (prompt, params) in zip(request_ids, inputs, strict=True)
+        ]
+        return streams, release
 
     async def _respond(
         self,
@@ -360,9 +350,10 @@ class EngineServer:
         release: Callable[[], None],
         head: list[str],
         chunks: Callable[[int, RequestOutput], Iterator[str]],
-        usage_chunk: Callable[[r.UsageInfo], str | None],
+        chunk: Callable[..., str],
+        include_usage: bool,
     ) -> Response:
-        """A streaming answer: `head`, the chunks of each snapshot, the usage chunk if asked
+        """A streaming answer: `head`, the chunks of each snapshot, `chunk`'s usage chunk if asked
         for, `[DONE]`. An error after the headers went out is an error event, then `[DONE]`."""
         cleanup = cleanup_for(streams, release)
 
@@ -373,9 +364,9 @@ class EngineServer:
                 async for i, out in merge(streams):
                     for event in chunks(i, out):
                         yield event
-                last = usage_chunk(r.usage_of([s.last for s in streams if s.last is not None]))
-                if last is not None:
-                    yield last
+                if include_usage:
+                    usage = r.usage_of([s.last for s in streams if s.last is not None])
+                    yield chunk([], usage=usage)
                 yield r.DONE
             except APIError as e:
                 yield e.sse().decode()

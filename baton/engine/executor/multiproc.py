@@ -176,23 +176,19 @@ class MultiprocExecutor(Executor):
                     fd = os.pidfd_open(proc.pid)
                     workers.pidfds.append(fd)
                     self._poller.register(fd, zmq.POLLIN)
-            ready = self._start(start_timeout)
+            # Every rank has loaded its shard and subscribed to the steps.
+            ready = self._gather(WorkerReady, self._steps, start_timeout)
         except BaseException:
             self.shutdown()
             raise
         self._kv_bytes_per_block = ready[0].kv_bytes_per_block
-        memories = [r.device_memory for r in ready if r.device_memory is not None]
+        memories = [r.device_memory for r in ready.values() if r.device_memory is not None]
         self._device_memory = min(memories) if memories else None
         logger.info("%d workers ready (pids %s)", n, [p.pid for p in workers.procs])
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers.procs]
-
-    def _start(self, timeout: float) -> list[WorkerReady]:
-        """Waits until every rank has loaded its shard and subscribed to the steps."""
-        ready = self._gather(WorkerReady, self._steps, timeout)
-        return [ready[r] for r in range(self.tensor_parallel_size)]
 
     def _gather(self, kind: type[_Ready], xpub: zmq.Socket, timeout: float) -> dict[int, _Ready]:
         """One `kind` message from every rank, and every rank subscribed to `xpub`."""
