@@ -34,6 +34,17 @@ ISVC_LABEL = "baton.dev/inference-service"
 ROLE_LABEL = "baton.dev/role"
 # On engine Services and pods: the model name clients ask for.
 SERVED_MODEL_ANNOTATION = "baton.dev/served-model-name"
+# On every child the operator makes (the recommended label, with the operator's name), beside a
+# controller owner reference to its InferenceService: the two marks the gateway's discovery
+# requires of a Service before it routes to its endpoints.
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+OPERATOR_NAME = "baton-operator"
+OWNER_GROUP = "baton.dev"
+OWNER_KIND = "InferenceService"
+# "true" on the engine Services (so on their EndpointSlices) of the one InferenceService that
+# holds its served model name; the gateway selects on it, so a later service asking for a name
+# already served is never merged into that model's pool.
+GATEWAY_LABEL = "baton.dev/gateway"
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"

@@ -22,6 +22,7 @@ PLURALS = {
     "ServiceAccount": "serviceaccounts",
     "Role": "roles",
     "RoleBinding": "rolebindings",
+    "NetworkPolicy": "networkpolicies",
     "Event": "events",
 }
 APPLY_PATCH = "application/apply-patch+yaml"

@@ -12,6 +12,7 @@ import kopf
 
 from baton.kube import load_configuration
 from baton.operator.handlers import Controller, register
+from baton.operator.resources import NetworkAccess
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--default-image",
         default=os.environ.get("BATON_DEFAULT_IMAGE", ""),
         help="image for services whose spec names none ($BATON_DEFAULT_IMAGE)",
+    )
+    parser.add_argument(
+        "--gateway-namespace",
+        default="baton-system",
+        help="namespace of the gateway's pods (app.kubernetes.io/name=baton-gateway), which the "
+        "engines' NetworkPolicy lets in",
+    )
+    parser.add_argument(
+        "--monitoring-namespace",
+        default="monitoring",
+        help="namespace whose pods may scrape the engines' HTTP port ('': none)",
     )
     parser.add_argument(
         "--health-port",
@@ -56,7 +68,12 @@ async def _operate(args: argparse.Namespace) -> None:
     if not args.all_namespaces and not namespaces:
         _, default = await load_configuration(args.kubeconfig)
         namespaces = (default,)
-    controller = Controller(args.kubeconfig, namespaces, args.default_image, args.resync_seconds)
+    access = NetworkAccess(
+        args.gateway_namespace, monitoring_namespace=args.monitoring_namespace or None
+    )
+    controller = Controller(
+        args.kubeconfig, namespaces, args.default_image, args.resync_seconds, access
+    )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)

@@ -174,6 +174,15 @@ SPEC: Schema = _obj(
             "The model to serve.",
             required=["uri"],
         ),
+        "apiKeySecret": _obj(
+            {
+                "name": {"type": "string", "minLength": 1},
+                "key": _str("Key in the Secret.", "api-key"),
+            },
+            "Secret holding the API key: engines and the router then require it as a bearer "
+            "token, and the router sends it to the engines.",
+            required=["name"],
+        ),
         "image": _str("Image with `baton`; default: the operator's --default-image."),
         "imagePullPolicy": _str("", "IfNotPresent", ["Always", "IfNotPresent", "Never"]),
         "mode": _str(

@@ -19,7 +19,7 @@ from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
 from baton.operator.api import PLURALS, Api
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
-from baton.operator.resources import MANAGED_BY_LABEL, MANAGER
+from baton.operator.resources import MANAGED_BY_LABEL, MANAGER, NetworkAccess
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,16 @@ class Controller:
     namespaces: tuple[str, ...]  # empty: every namespace
     default_image: str = ""
     resync_seconds: float = 300.0
+    access: NetworkAccess = field(default_factory=NetworkAccess)
     reconciler: Reconciler | None = None
     _cluster: Cluster | None = None
     _resync: asyncio.Task[None] | None = field(default=None, repr=False)
 
     async def start(self) -> None:
         self._cluster = await connect(self.kubeconfig)
-        self.reconciler = Reconciler(Api(self._cluster), self.default_image)
+        self.reconciler = Reconciler(
+            Api(self._cluster), self.default_image, access=self.access, namespaces=self.namespaces
+        )
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop(self.reconciler))
 
     async def stop(self) -> None:

@@ -1,5 +1,7 @@
 """Pure builders of the engine and router pod templates: command lines, probes, drain, model
-fetch and GPU requests. No I/O; `resources.py` wraps these templates into Deployments.
+fetch, GPU requests, the API key, and the Pod Security "restricted" settings (non-root, no
+privilege escalation, no capabilities, RuntimeDefault seccomp, a read-only root with emptyDir
+scratch where the code writes). No I/O; `resources.py` wraps these templates into Deployments.
 """
 
 from __future__ import annotations
@@ -18,6 +20,23 @@ MODEL_MOUNT = "/models"
 PRESTOP_SLEEP_SECONDS = 10
 # Time an in-flight request gets to finish once the drain starts, on top of the KV lease.
 DRAIN_SECONDS = 120
+# The image's user (Dockerfile: `useradd --uid 10001`); runAsNonRoot needs a numeric one.
+RUN_AS_USER = 10001
+# The environment variables the engine and router read their API key from (as vLLM's
+# VLLM_API_KEY), and the one the router sends to the engines.
+API_KEY_ENV = "BATON_API_KEY"
+UPSTREAM_API_KEY_ENV = "BATON_UPSTREAM_API_KEY"
+# Writable scratch on a read-only root: /tmp (tempfile: the engine's IPC sockets, worker
+# folders, torch inductor) and one cache folder that every cache is pointed into (the built-in
+# model and compiled CPU kernels under $BATON_CACHE_DIR, Triton's kernels, Hugging Face).
+TMP_MOUNT = "/tmp"
+CACHE_MOUNT = "/cache"
+CACHE_ENV: tuple[tuple[str, str], ...] = (
+    ("BATON_CACHE_DIR", f"{CACHE_MOUNT}/baton"),
+    ("TRITON_CACHE_DIR", f"{CACHE_MOUNT}/triton"),
+    ("HF_HOME", f"{CACHE_MOUNT}/huggingface"),
+    ("XDG_CACHE_HOME", CACHE_MOUNT),
+)
 
 Manifest = dict[str, Any]
 
@@ -73,6 +92,42 @@ def engine_resources(pool: Pool) -> dict[str, Any]:
     return resources
 
 
+def pod_security_context() -> Manifest:
+    """The pod half of Pod Security "restricted"."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> Manifest:
+    """The container half of Pod Security "restricted", and a read-only root."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _scratch() -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """Volumes, mounts and cache env for a read-only root."""
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [
+        {"name": "tmp", "mountPath": TMP_MOUNT},
+        {"name": "cache", "mountPath": CACHE_MOUNT},
+    ]
+    env = [{"name": name, "value": value} for name, value in CACHE_ENV]
+    return volumes, mounts, env
+
+
+def _secret_env(name: str, secret: tuple[str, str]) -> Manifest:
+    ref = {"name": secret[0], "key": secret[1]}
+    return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+
 def _probes(port: str) -> dict[str, Any]:
     def probe(period: int, failures: int) -> dict[str, Any]:
         return {
@@ -113,7 +168,11 @@ def _fetch_model(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manif
         "command": ["hf"],
         "args": args,
         "env": env,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_MOUNT},
+            {"name": "tmp", "mountPath": TMP_MOUNT},
+        ],
+        "securityContext": container_security_context(),
     }
     return [init], [{"name": "model", "emptyDir": {}}]
 
@@ -124,12 +183,17 @@ def engine_pod(
     """The pod template of one engine pool."""
     init_containers, volumes = _fetch_model(spec)
     mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}] if volumes else []
+    scratch_volumes, scratch_mounts, cache_env = _scratch()
+    volumes += scratch_volumes
+    mounts += scratch_mounts
     if pool.tensor_parallel_size > 1:
         # Tensor-parallel workers exchange tensors through shared memory; the default 64 MiB
         # /dev/shm is too small.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    key = spec.api_key_secret
+    key_env = [_secret_env(API_KEY_ENV, key)] if key else []
     container: Manifest = {
         "name": "engine",
         "image": spec.image,
@@ -144,13 +208,17 @@ def engine_pod(
                 for r in range(pool.tensor_parallel_size)
             ),
         ],
-        "env": [pod_ip, *copy.deepcopy(pool.env)],
+        "env": [pod_ip, *cache_env, *key_env, *copy.deepcopy(pool.env)],
         "resources": engine_resources(pool),
+        "securityContext": container_security_context(),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         **_probes("http"),
     }
     pod_spec: Manifest = {
+        # Engines never call the API server; a token in the pod is only something to steal.
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
         # preStop, then SIGTERM drains in-flight requests and lets KV leases run out.
@@ -187,6 +255,13 @@ def router_pod(
     ]  # fmt: skip
     if router.session_affinity is not None:
         args.append("--session-affinity" if router.session_affinity else "--no-session-affinity")
+    volumes, mounts, env = _scratch()
+    if spec.api_key_secret:
+        # One key both ways: clients present it to the router, the router to the engines.
+        env += [
+            _secret_env(API_KEY_ENV, spec.api_key_secret),
+            _secret_env(UPSTREAM_API_KEY_ENV, spec.api_key_secret),
+        ]
     container: Manifest = {
         "name": "router",
         "image": spec.image,
@@ -194,13 +269,18 @@ def router_pod(
         "command": ["baton"],
         "args": args,
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": env,
         "resources": copy.deepcopy(router.resources),
+        "volumeMounts": mounts,
+        "securityContext": container_security_context(),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         **_probes("http"),
     }
     pod_spec: Manifest = {
         "serviceAccountName": service_account,
+        "securityContext": pod_security_context(),
         "containers": [container],
+        "volumes": volumes,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + DRAIN_SECONDS,
     }
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}

@@ -8,6 +8,11 @@ Triggers for one service coalesce: while a pass runs, further triggers mark it d
 more pass follows, so a burst of child events costs at most one extra pass. A pass that fails
 on the API is retried with exponential backoff; a bad spec is not retried (its next edit
 triggers a pass) and shows as `Ready=False` with a reason and a Warning Event.
+
+A served model name belongs to the earliest service (by creationTimestamp) that asks for it
+among the namespaces the operator watches; a later one gets `ModelNameConflict=True`, a Warning
+Event, and engine Services without the gateway's label, so the gateway never merges two
+tenants' engines into one model's pool.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ from baton.operator.resources import (
     COMPONENT_LABEL,
     MANAGED_BY_LABEL,
     MANAGER,
+    NetworkAccess,
     desired_children,
     service_url,
 )
-from baton.operator.spec import parse_spec
+from baton.operator.spec import InferenceServiceSpec, parse_spec
 from baton.operator.status import failed_status, now_iso, ready_condition, running_status
 from baton.operator.validation import SpecError
 
@@ -50,6 +56,7 @@ CHILD_KINDS: dict[str, str] = {
     "ServiceAccount": "v1",
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
 }
 # Kinds of which a spec change can leave children behind (a mode switch, autoscaling off).
 PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
@@ -76,12 +83,18 @@ class Reconciler:
     api: Api
     default_image: str = ""
     max_backoff: float = 60.0
+    access: NetworkAccess = field(default_factory=NetworkAccess)
+    # Where rivals for a served model name are looked for: the watched namespaces (empty: all).
+    namespaces: tuple[str, ...] = ()
     _states: dict[Key, _KeyState] = field(default_factory=dict)
+    # Service -> the earlier service that holds its served model name; when that one goes,
+    # the later ones are reconciled at once to take the name over.
+    _model_owners: dict[Key, Key] = field(default_factory=dict)
     # Generation of each service whose children this process has applied in full and pruned.
     # Only a spec change (or a new operator) can make a child unwanted or drop a field from it,
     # so after that first pass a child is applied only when it lost a desired value, and the
     # lists that pruning needs run once per generation, not once per pass.
-    _settled: dict[Key, int] = field(default_factory=dict)
+    _settled: dict[Key, tuple[int, Key | None]] = field(default_factory=dict)
     # (kind, namespace, name) -> resourceVersion of the operator's own last write, so that the
     # watch event of that write does not trigger another pass (controller-runtime calls these
     # "expectations"). Any other version, or a deletion, still triggers one.
@@ -116,9 +129,14 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         """Drops a deleted service (its children go with it through owner references)."""
         self._settled.pop((namespace, name), None)
+        self._model_owners.pop((namespace, name), None)
         state = self._states.pop((namespace, name), None)
         if state is not None and state.retry is not None:
             state.retry.cancel()
+        for later, owner in list(self._model_owners.items()):
+            if owner == (namespace, name):
+                del self._model_owners[later]
+                self._spawn(later)
 
     async def close(self) -> None:
         for state in self._states.values():
@@ -155,12 +173,18 @@ class Reconciler:
             return
         try:
             spec = parse_spec(isvc.get("spec"), self.default_image)
-            desired = desired_children(isvc, spec)
+            owner = await self._model_owner(isvc, spec)
+            desired = desired_children(isvc, spec, self.access, routable=owner is None)
         except SpecError as e:
             await self._write_status(isvc, failed_status(isvc, e.reason, e.message, now_iso()))
             return
+        if owner is None:
+            self._model_owners.pop((namespace, name), None)
+        else:
+            self._model_owners[(namespace, name)] = owner
         generation = isvc["metadata"].get("generation", 0)
-        settled = self._settled.get((namespace, name)) == generation
+        # Losing or winning the model name changes the Services without a new generation.
+        settled = self._settled.get((namespace, name)) == (generation, owner)
         try:
             applied = await asyncio.gather(
                 *(self._apply(isvc, child, settled) for child in desired)
@@ -170,7 +194,7 @@ class Reconciler:
             raise
         if not settled:
             await self._prune(isvc, desired)
-            self._settled[(namespace, name)] = generation
+            self._settled[(namespace, name)] = (generation, owner)
         deployments: dict[str, Manifest | None] = {}
         router_service = None
         for child, live in zip(desired, applied, strict=True):
@@ -179,7 +203,24 @@ class Reconciler:
             elif child["kind"] == "Service" and child["metadata"]["name"] == name:
                 router_service = live
         url = service_url(isvc, router_service)
-        await self._write_status(isvc, running_status(isvc, spec, deployments, url, now_iso()))
+        holder = f"{owner[0]}/{owner[1]}" if owner else None
+        status = running_status(isvc, spec, deployments, url, now_iso(), holder)
+        await self._write_status(isvc, status)
+
+    async def _model_owner(self, isvc: Manifest, spec: InferenceServiceSpec) -> Key | None:
+        """The earliest other service (creationTimestamp, then namespace and name, so every
+        pass agrees) asking for `isvc`'s served model name, or None when `isvc` is first."""
+        served = spec.model.served_model_name
+        first = _age(isvc)
+        owner: Key | None = None
+        for namespace in self.namespaces or (None,):
+            for rival in await self.api.list(crd.API_VERSION, crd.KIND, namespace):
+                meta = rival["metadata"]
+                if meta.get("uid") == isvc["metadata"]["uid"] or meta.get("deletionTimestamp"):
+                    continue
+                if _age(rival) < first and _served_name(rival, self.default_image) == served:
+                    first, owner = _age(rival), (meta["namespace"], meta["name"])
+        return owner
 
     async def _apply(self, isvc: Manifest, child: Manifest, settled: bool) -> Manifest:
         """Server-side applies one child (which creates it when missing) unless the service is
@@ -249,16 +290,37 @@ class Reconciler:
             self._wrote(await self.api.patch_status(isvc, patch))
         except NotFoundError:
             return  # deleted meanwhile; its DELETED event drops it
+        events: list[tuple[str, str, str]] = []
         before, after = ready_condition(old), ready_condition(status)
         if after is not None and (before is None or before.get("reason") != after.get("reason")):
             kind = "Normal" if after["status"] == "True" else "Warning"
             if after["reason"] == "ComponentsNotReady":
                 kind = "Normal"  # starting up or scaling is not a fault
-            body = event_body(isvc, kind, after["reason"], after.get("message", ""))
+            events.append((kind, after["reason"], after.get("message", "")))
+        conflict = ready_condition(status, "ModelNameConflict")
+        if conflict and conflict["status"] == "True":
+            was = ready_condition(old, "ModelNameConflict")
+            if was is None or was.get("status") != "True":
+                events.append(("Warning", "ModelNameConflict", conflict.get("message", "")))
+        for kind, reason, message in events:
             try:
-                await self.api.create(body)
+                await self.api.create(event_body(isvc, kind, reason, message))
             except ApiException as e:  # an Event is a courtesy; never fail the pass for it
                 logger.warning("could not post an Event for %s: %s", meta["name"], e)
+
+
+def _age(isvc: Manifest) -> tuple[str, str, str]:
+    meta = isvc["metadata"]
+    # RFC 3339 UTC timestamps of one format sort as strings.
+    return meta.get("creationTimestamp", ""), meta.get("namespace", ""), meta["name"]
+
+
+def _served_name(isvc: Manifest, default_image: str) -> str | None:
+    """The model name a service serves, or None when its spec cannot run (it serves nothing)."""
+    try:
+        return parse_spec(isvc.get("spec"), default_image).model.served_model_name
+    except SpecError:
+        return None
 
 
 def controlled_by(obj: Manifest, uid: str) -> bool:

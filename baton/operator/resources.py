@@ -1,15 +1,23 @@
 """Pure builders of every child of an `InferenceService`: engine and router Deployments, the
-router Service and a headless Service per role, HPAs, PodDisruptionBudgets, and the router's
-ServiceAccount, Role and RoleBinding. `desired_children` is the whole desired state; the
-reconciler applies it. Every child carries a controller owner reference, so deleting the
-`InferenceService` garbage-collects it.
+router Service and a headless Service per role, HPAs, PodDisruptionBudgets, the router's
+ServiceAccount, Role and RoleBinding, and the NetworkPolicy that fences the engines.
+`desired_children` is the whole desired state; the reconciler applies it. Every child carries
+a controller owner reference, so deleting the `InferenceService` garbage-collects it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from baton.kube import ISVC_LABEL, ROLE_LABEL, SERVED_MODEL_ANNOTATION
+from baton.kube import (
+    GATEWAY_LABEL,
+    ISVC_LABEL,
+    MANAGED_BY_LABEL,
+    OPERATOR_NAME,
+    ROLE_LABEL,
+    SERVED_MODEL_ANNOTATION,
+)
 from baton.operator import crd
 from baton.operator.pods import ENGINE_PORT, KV_PORT, ROUTER_PORT, engine_pod, router_pod
 from baton.operator.spec import InferenceServiceSpec, Pool
@@ -20,11 +28,28 @@ Manifest = dict[str, Any]
 NAME_LABEL = "app.kubernetes.io/name"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 APP = "baton"
-MANAGER = "baton-operator"
+MANAGER = OPERATOR_NAME
+__all__ = ["MANAGED_BY_LABEL", "MANAGER"]  # re-exported: the operator's modules name them here
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace
 # Children get names "<isvc>-prefill" etc., which must stay valid Service names (63 characters).
 MAX_NAME_LENGTH = 63 - len("-prefill")
+
+
+@dataclass(frozen=True)
+class NetworkAccess:
+    """Who besides the service's own router may reach its engines' HTTP port: the gateway's pods
+    and a monitoring namespace (operator flags: the cluster's admin decides, not a spec)."""
+
+    gateway_namespace: str = "baton-system"
+    gateway_labels: dict[str, str] = field(
+        default_factory=lambda: {NAME_LABEL: "baton-gateway", COMPONENT_LABEL: "gateway"}
+    )
+    monitoring_namespace: str | None = "monitoring"  # None: no scraping from outside
+
+    def __post_init__(self) -> None:
+        if not self.gateway_namespace or not self.gateway_labels:
+            raise ValueError("the gateway's namespace and pod labels must not be empty")
 
 
 def check_name(name: str) -> None:
@@ -87,7 +112,9 @@ def _child(
     return {"apiVersion": api_version, "kind": kind, "metadata": meta}
 
 
-def _engine_children(isvc: Manifest, spec: InferenceServiceSpec, pool: Pool) -> list[Manifest]:
+def _engine_children(
+    isvc: Manifest, spec: InferenceServiceSpec, pool: Pool, routable: bool
+) -> list[Manifest]:
     name = isvc["metadata"]["name"]
     child_name = f"{name}-{pool.component}"
     pool_labels = labels(name, pool.component, pool.role)
@@ -107,7 +134,8 @@ def _engine_children(isvc: Manifest, spec: InferenceServiceSpec, pool: Pool) -> 
     if pool.autoscaling is None:  # otherwise the HPA owns replicas
         deployment["spec"]["replicas"] = pool.replicas
     # Headless: the router needs every pod's address (EndpointSlices), not one virtual IP.
-    service = _child("v1", "Service", child_name, isvc, pool_labels, served)
+    service_labels = {**pool_labels, GATEWAY_LABEL: "true"} if routable else pool_labels
+    service = _child("v1", "Service", child_name, isvc, service_labels, served)
     service["spec"] = {
         "clusterIP": "None",
         "selector": selector,
@@ -197,12 +225,60 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
     return [account, role, binding, deployment, service, pdb]
 
 
-def desired_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifest]:
-    """Every child the operator keeps for `isvc` (a body with metadata.name/namespace/uid)."""
+def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkAccess) -> Manifest:
+    """Engine HTTP only from this service's router, the gateway and monitoring; KV ports (TCP
+    blocks and NIXL's side channel, one port per tensor-parallel rank) only from this service's
+    decode engines, the only pods that pull KV blocks."""
+    name = isvc["metadata"]["name"]
+    policy_labels = labels(name, "network-policy")
+    policy = _child("networking.k8s.io/v1", "NetworkPolicy", f"{name}-engines", isvc, policy_labels)
+
+    def namespace(ns: str) -> Manifest:
+        return {"matchLabels": {NAMESPACE_NAME_LABEL: ns}}
+
+    http_from: list[Manifest] = [
+        {"podSelector": {"matchLabels": selector_labels(name, "router")}},
+        {
+            "namespaceSelector": namespace(access.gateway_namespace),
+            "podSelector": {"matchLabels": dict(access.gateway_labels)},
+        },
+    ]
+    if access.monitoring_namespace:
+        http_from.append({"namespaceSelector": namespace(access.monitoring_namespace)})
+    ingress: list[Manifest] = [
+        {"from": http_from, "ports": [{"protocol": "TCP", "port": ENGINE_PORT}]}
+    ]
+    if spec.mode == "disaggregated":
+        ranks = max(pool.tensor_parallel_size for pool in spec.pools)
+        kv_ports = [{"protocol": "TCP", "port": KV_PORT + r} for r in range(ranks)]
+        decode = {"podSelector": {"matchLabels": selector_labels(name, "decode")}}
+        ingress.append({"from": [decode], "ports": kv_ports})
+    # No rule admits the KV ports in aggregated mode: nothing pulls blocks from those engines.
+    policy["spec"] = {
+        "podSelector": {
+            "matchLabels": {NAME_LABEL: APP, INSTANCE_LABEL: name},
+            "matchExpressions": [{"key": ROLE_LABEL, "operator": "Exists"}],
+        },
+        "policyTypes": ["Ingress"],
+        "ingress": ingress,
+    }
+    return policy
+
+
+def desired_children(
+    isvc: Manifest,
+    spec: InferenceServiceSpec,
+    access: NetworkAccess | None = None,
+    routable: bool = True,
+) -> list[Manifest]:
+    """Every child the operator keeps for `isvc` (a body with metadata.name/namespace/uid).
+    `routable` is False when an earlier service holds the served model name: its engine
+    Services then lack the gateway's label."""
     check_name(isvc["metadata"]["name"])
     children: list[Manifest] = []
     for pool in spec.pools:
-        children += _engine_children(isvc, spec, pool)
+        children += _engine_children(isvc, spec, pool, routable)
+    children.append(_network_policy(isvc, spec, access or NetworkAccess()))
     return children + _router_children(isvc, spec)
 
 

@@ -100,6 +100,7 @@ class InferenceServiceSpec:
     pools: tuple[Pool, ...]  # (prefill, decode) or (engine,) when aggregated
     kv_transfer: KVTransfer
     router: RouterSpec
+    api_key_secret: tuple[str, str] | None = None  # (Secret name, key)
 
 
 def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
@@ -127,6 +128,10 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
         pools = (prefill, decode)
     router = spec["router"]
     kv = spec["kvTransfer"]
+    extra_args = tuple(engine.get("extraArgs", ()))
+    for arg in extra_args:
+        _check_no_expansion("spec.engine.extraArgs", arg)
+    key = spec.get("apiKeySecret")
     return InferenceServiceSpec(
         model=parse_model(spec["model"]),
         image=image,
@@ -139,7 +144,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
             max_num_batched_tokens=engine.get("maxNumBatchedTokens"),
             dtype=engine["dtype"],
             enable_prefix_caching=engine["enablePrefixCaching"],
-            extra_args=tuple(engine.get("extraArgs", ())),
+            extra_args=extra_args,
         ),
         pools=pools,
         kv_transfer=KVTransfer(kv["transport"], kv["leaseSeconds"], kv["loadFailurePolicy"]),
@@ -151,13 +156,32 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
             session_affinity=router.get("sessionAffinity"),
             resources=router.get("resources", {}),
         ),
+        api_key_secret=(key["name"], key["key"]) if key else None,
     )
+
+
+def _check_no_expansion(field: str, value: str) -> None:
+    """Refuses `$(`: the kubelet expands `$(VAR)` in a container's args from its environment, so
+    `--served-model-name $(BATON_API_KEY)` would publish the API key in `/v1/models`."""
+    if "$(" in value:
+        raise SpecError(
+            "EnvironmentExpansion",
+            f"{field} {value!r} contains '$(', which Kubernetes would expand from the "
+            "container's environment (its secrets included); remove it",
+        )
 
 
 def parse_model(model: dict[str, Any]) -> ModelSource:
     """`hf://org/name[@revision]`, `pvc://claim/path` or `file:///path`."""
     uri: str = model["uri"]
+    _check_no_expansion("spec.model.uri", uri)
     scheme, sep, rest = uri.partition("://")
+    if ".." in rest.split("/"):
+        # The path lands under the model mount (or is the weights' path itself): `..` would
+        # reach out of the claim's folder or the download directory.
+        raise SpecError(
+            "InvalidModelURI", f"spec.model.uri {uri!r}: '..' path segments are refused"
+        )
     if not sep or scheme not in MODEL_SCHEMES:
         raise SpecError(
             "UnsupportedModelURI",
@@ -167,6 +191,8 @@ def parse_model(model: dict[str, Any]) -> ModelSource:
     secret = model.get("hfTokenSecret")
     token = (secret["name"], secret["key"]) if secret else None
     served: str | None = model.get("servedModelName")
+    if served is not None:
+        _check_no_expansion("spec.model.servedModelName", served)
     if scheme == "hf":
         repo, _, revision = rest.partition("@")
         if repo.count("/") != 1 or not all(repo.split("/")):

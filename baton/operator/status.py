@@ -1,5 +1,6 @@
 """The `InferenceService` status from what really runs: ready and desired replicas per role, the
-endpoint URL, and the conditions `Ready`, `PrefillReady`, `DecodeReady`, `RouterReady` with
+endpoint URL, and the conditions `Ready`, `PrefillReady`, `DecodeReady`, `RouterReady`,
+`ModelNameConflict` with
 CamelCase reasons, `observedGeneration` and transition times that move only when a condition's
 status changes. Pure functions; the reconciler reads the children and writes the result.
 """
@@ -65,9 +66,11 @@ def running_status(
     deployments: dict[str, Manifest | None],
     url: str,
     now: str,
+    model_owner: str | None = None,
 ) -> Manifest:
     """Status of a valid spec; `deployments` maps component ("prefill", "decode", "engine",
-    "router") to the live Deployment or None."""
+    "router") to the live Deployment or None; `model_owner` is the "namespace/name" of an
+    earlier service that serves the same model name, if any."""
     generation = isvc["metadata"].get("generation", 0)
     # One pool does both jobs when aggregated, so it stands for prefill and for decode alike.
     aggregated = spec.mode == "aggregated"
@@ -96,8 +99,33 @@ def running_status(
         "prefill": prefill,
         "decode": decode,
         "router": router,
-        "conditions": merge_conditions(old.get("conditions", []), [ready, *parts], now),
+        "conditions": merge_conditions(
+            old.get("conditions", []),
+            [ready, *parts, model_name_condition(spec, model_owner, generation)],
+            now,
+        ),
     }
+
+
+def model_name_condition(
+    spec: InferenceServiceSpec, model_owner: str | None, generation: int
+) -> Manifest:
+    """`ModelNameConflict`: True while an earlier service holds the served model name; the
+    gateway then leaves this one out (its own router still serves it)."""
+    served = spec.model.served_model_name
+    if model_owner is None:
+        return condition(
+            "ModelNameConflict",
+            False,
+            "ModelNameUnique",
+            f"the gateway serves {served!r} here",
+            generation,
+        )
+    message = (
+        f"{model_owner} was created earlier and serves {served!r}; the gateway does not route "
+        "to this service; set spec.model.servedModelName to another name"
+    )
+    return condition("ModelNameConflict", True, "ServedModelNameTaken", message, generation)
 
 
 def failed_status(isvc: Manifest, reason: str, message: str, now: str) -> Manifest:
@@ -114,8 +142,9 @@ def failed_status(isvc: Manifest, reason: str, message: str, now: str) -> Manife
     }
 
 
-def ready_condition(status: Manifest) -> Manifest | None:
+def ready_condition(status: Manifest, kind: str = "Ready") -> Manifest | None:
+    """The condition `kind` (default `Ready`) of `status`, if it has one."""
     for cond in status.get("conditions", []):
-        if cond.get("type") == "Ready":
+        if cond.get("type") == kind:
             return dict(cond)
     return None

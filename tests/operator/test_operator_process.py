@@ -153,6 +153,7 @@ def test_ready_deployments_make_the_service_ready(
         "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "ReplicasReady"),
         "RouterReady": ("True", "ReplicasReady"),
+        "ModelNameConflict": ("False", "ModelNameUnique"),
     }
 
 

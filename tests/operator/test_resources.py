@@ -47,6 +47,7 @@ def test_disaggregated_children() -> None:
         ("ServiceAccount", "llama-router"),
         ("Role", "llama-router"),
         ("RoleBinding", "llama-router"),
+        ("NetworkPolicy", "llama-engines"),
     }
     for child in children.values():
         (owner,) = child["metadata"]["ownerReferences"]
@@ -116,7 +117,7 @@ def test_labels_selectors_and_headless_services() -> None:
     assert annotations["prometheus.io/port"] == "8000"
     assert annotations["baton.dev/served-model-name"] == "llama"
     headless = children[("Service", "llama-decode")]
-    assert headless["metadata"]["labels"] == pod_labels
+    assert headless["metadata"]["labels"] == pod_labels | {"baton.dev/gateway": "true"}
     assert headless["metadata"]["annotations"] == {"baton.dev/served-model-name": "llama"}
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"] == selector
     assert {p["name"]: p["port"] for p in headless["spec"]["ports"]} == {"http": 8000, "kv": 14579}
@@ -191,7 +192,7 @@ def test_pool_fields_reach_the_pod() -> None:
     }
     assert pod["nodeSelector"] == {"gpu": "h100"}
     assert pod["tolerations"] == pool["tolerations"]
-    assert engine["env"][1:] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
+    assert engine["env"][-1:] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
     # Each rank serves its KV shard on its own port (rank r on the KV port + r).
     assert [(p["name"], p["containerPort"]) for p in engine["ports"]] == [
@@ -238,7 +239,7 @@ def test_model_fetch_per_scheme() -> None:
 
     local = BASE | {"model": {"uri": "file:///opt/llama"}}
     pod = build(local)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
-    assert pod["volumes"] == [] and "initContainers" not in pod
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "cache"] and "initContainers" not in pod
     assert flag(pod["containers"][0]["args"], "--model") == "/opt/llama"
 
 

@@ -34,6 +34,7 @@ def test_all_pools_ready() -> None:
         "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "PartiallyReady"),
         "RouterReady": ("True", "ReplicasReady"),
+        "ModelNameConflict": ("False", "ModelNameUnique"),
     }
 
 

@@ -56,6 +56,7 @@ BUILTIN_RESOURCES: dict[tuple[str, str, str], tuple[str, bool, tuple[str, ...]]]
     ("rbac.authorization.k8s.io", "v1", "clusterroles"): ("ClusterRole", False, ()),
     ("rbac.authorization.k8s.io", "v1", "clusterrolebindings"): ("ClusterRoleBinding", False, ()),
     ("discovery.k8s.io", "v1", "endpointslices"): ("EndpointSlice", True, ()),
+    ("networking.k8s.io", "v1", "networkpolicies"): ("NetworkPolicy", True, ()),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): (
         "CustomResourceDefinition",
         False,
