@@ -1,7 +1,10 @@
 """Kubernetes discovery for the router: engines are the ready endpoints of the EndpointSlices
 that match a label selector, in one namespace or all. The role comes from the slice's
 `baton.dev/role` label (Kubernetes copies the Service's labels onto its slices) and the served
-model from the owning Service's `baton.dev/served-model-name` annotation. Keeps the `Discovery`
+model from the owning Service's `baton.dev/served-model-name` annotation. Only Services the
+operator made count: the managed-by label and a controller owner reference to an
+InferenceService, both (a label alone is easy to copy onto a look-alike Service in any
+namespace; an owner reference to a missing owner is garbage-collected). Keeps the `Discovery`
 contract of `discovery.py`: the full set goes to `on_change` whenever it changes, and API errors
 are logged and retried with backoff. Talks to the API server through `baton.kube.connect`.
 """
@@ -17,6 +20,11 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from baton.kube import (
+    ISVC_LABEL,
+    MANAGED_BY_LABEL,
+    OPERATOR_NAME,
+    OWNER_GROUP,
+    OWNER_KIND,
     ROLE_LABEL,
     SERVED_MODEL_ANNOTATION,
     Cluster,
@@ -38,6 +46,13 @@ RETRIED = (ApiException, aiohttp.ClientError, TimeoutError, ValueError, KeyError
 ROLE_OF: dict[str, Role] = {role: role for role in ROLES}
 
 ObjectKey = tuple[str, str]  # namespace, name
+
+
+class _Untrusted:
+    """What is kept of a Service the operator did not make: its slices are not routed."""
+
+
+UNTRUSTED = _Untrusted()
 
 
 class KubernetesDiscovery:
@@ -85,7 +100,7 @@ class KubernetesDiscovery:
                     async with asyncio.TaskGroup() as group:
                         slices = ("discovery.k8s.io/v1", "endpointslices", lambda s: s)
                         group.create_task(self._follow(cluster, *slices, on_change))
-                        services = ("v1", "services", _served_model)
+                        services = ("v1", "services", _operator_service)
                         group.create_task(self._follow(cluster, *services, on_change))
                 except* RETRIED as e:
                     delay = min(self.max_backoff, 0.5 * 2**self._failures)
@@ -150,7 +165,10 @@ class KubernetesDiscovery:
             ]
             if not ports or ports[0] is None:
                 continue
-            model = models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")))
+            # A slice counts only once its Service is seen and known to be the operator's.
+            model = models.get((namespace, labels.get(SERVICE_NAME_LABEL, "")), UNTRUSTED)
+            if isinstance(model, _Untrusted):
+                continue
             for endpoint in item.get("endpoints") or []:
                 conditions = endpoint.get("conditions") or {}
                 # An unset `ready` means unknown, which consumers treat as ready.
@@ -167,7 +185,25 @@ def _key(obj: Manifest) -> ObjectKey:
     return meta.get("namespace", ""), meta["name"]
 
 
-def _served_model(service: Manifest) -> str | None:
+def made_by_operator(service: Manifest) -> bool:
+    """Whether `service` carries both marks of the operator's children: the managed-by label
+    and a controller owner reference to the InferenceService its label names."""
+    meta = service.get("metadata", {})
+    labels = meta.get("labels") or {}
+    if labels.get(MANAGED_BY_LABEL) != OPERATOR_NAME:
+        return False
+    return any(
+        ref.get("controller") is True
+        and ref.get("kind") == OWNER_KIND
+        and str(ref.get("apiVersion", "")).partition("/")[0] == OWNER_GROUP
+        and ref.get("name") == labels.get(ISVC_LABEL)
+        for ref in meta.get("ownerReferences") or []
+    )
+
+
+def _operator_service(service: Manifest) -> str | _Untrusted | None:
+    if not made_by_operator(service):
+        return UNTRUSTED
     annotations = service.get("metadata", {}).get("annotations") or {}
     name = annotations.get(SERVED_MODEL_ANNOTATION)
     return str(name) if name else None

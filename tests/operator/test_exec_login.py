@@ -71,10 +71,10 @@ def test_a_wrong_token_is_refused(
 ) -> None:
     """With a plugin that prints another token, the server answers 401: the operator creates
     nothing and the router's discovery publishes no engine."""
+    kube.apply_isvc(NS, "llama", SPEC)
     publish(kube.server, service(NS, "llama", "both", "llama"), {"10.0.0.1": True})
     kubeconfig = plugin_kubeconfig(kube, tmp_path / "plugin", "stolen")
     start_operator(kubeconfig=kubeconfig)
-    kube.apply_isvc(NS, "llama", SPEC)
     wait_for(lambda: kube.server.handler.refused >= 1, what="the operator's refused calls")
     refused = kube.server.handler.refused
     published: list[frozenset[Endpoint]] = []

@@ -1,5 +1,5 @@
 """Kubernetes discovery against the emulated API server: ready endpoints with role and model,
-live updates, namespace scoping and recovery from API errors."""
+live updates, namespace scoping, recovery from API errors, and only the operator's Services."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from baton.operator import crd
 from baton.router.discovery import Endpoint
 from baton.router.k8s_discovery import KubernetesDiscovery
 from tests.support.kmock_server import ApiServer, endpoint_slice
@@ -18,18 +19,26 @@ from tests.support.kmock_server import ApiServer, endpoint_slice
 Endpoints = frozenset[Endpoint]
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 SERVICES = "/api/v1/namespaces/{ns}/services"
+ISVCS = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
 
 @pytest.fixture()
 def api(tmp_path: Path) -> Iterator[tuple[ApiServer, str]]:
     """The emulated API server and a kubeconfig for it."""
     server = ApiServer().start()
+    server.declare(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, ("status",))
     yield server, str(server.write_kubeconfig(tmp_path / "kubeconfig"))
     server.stop()
 
 
-def service(ns: str, name: str, role: str | None, model: str | None) -> dict[str, Any]:
+def service(
+    ns: str, name: str, role: str | None, model: str | None, operator: bool = True
+) -> dict[str, Any]:
+    """A Service as the operator makes it for the InferenceService `name` (owned by it, which
+    `publish` creates), or with `operator=False` the same labels on a Service nobody owns."""
     labels = {"app.kubernetes.io/name": "baton", "baton.dev/inference-service": name}
+    if operator:
+        labels["app.kubernetes.io/managed-by"] = "baton-operator"
     if role:
         labels["baton.dev/role"] = role
     meta: dict[str, Any] = {"name": f"{name}-{role or 'router'}", "namespace": ns, "labels": labels}
@@ -39,11 +48,27 @@ def service(ns: str, name: str, role: str | None, model: str | None) -> dict[str
 
 
 def publish(server: ApiServer, svc: dict[str, Any], ready: dict[str, bool]) -> None:
-    """Creates the Service and the EndpointSlice Kubernetes would make for it."""
+    """Creates the Service (owned by its InferenceService, created first, when the operator's
+    label says the operator made it) and the EndpointSlice Kubernetes would make for it."""
     import httpx
 
     ns = svc["metadata"]["namespace"]
+    svc = dict(svc, metadata=dict(svc["metadata"]))
     with httpx.Client(base_url=server.url, headers=server.headers()) as http:
+        if svc["metadata"]["labels"].get("app.kubernetes.io/managed-by") == "baton-operator":
+            name = svc["metadata"]["labels"]["baton.dev/inference-service"]
+            owner = http.get(f"{ISVCS.format(ns=ns)}/{name}")
+            if owner.status_code == 404:
+                body = {
+                    "apiVersion": crd.API_VERSION,
+                    "kind": crd.KIND,
+                    "metadata": {"name": name, "namespace": ns},
+                    "spec": {"model": {"uri": "hf://acme/x"}},
+                }
+                owner = http.post(ISVCS.format(ns=ns), json=body)
+            ref = {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": name}
+            ref |= {"uid": owner.json()["metadata"]["uid"], "controller": True}
+            svc["metadata"]["ownerReferences"] = [ref]
         assert http.post(SERVICES.format(ns=ns), json=svc).status_code == 201
         slice_ = endpoint_slice(svc, ready)
         assert http.post(SLICES.format(ns=ns), json=slice_).status_code == 201
@@ -155,3 +180,22 @@ def test_an_empty_selector_is_refused() -> None:
     """Discovery without a selector would route to any Service's endpoints, so it is refused."""
     with pytest.raises(ValueError, match="selector"):
         KubernetesDiscovery("a", {})
+
+
+def test_only_the_operators_services_are_routed(api: tuple[ApiServer, str]) -> None:
+    """A look-alike Service in another namespace, with every label and the model annotation
+    but no owner reference, is ignored by a cluster-wide discovery (the gateway's), and so is
+    one with the owner reference but without the managed-by label."""
+    server, config = api
+    publish(server, service("team-a", "llama", "both", "llama"), {"10.0.0.1": True})
+    publish(server, service("evil", "llama", "both", "llama", operator=False), {"10.6.6.6": True})
+    half = service("evil2", "llama", "both", "llama")
+    publish(server, half, {"10.6.6.7": True})
+    import httpx
+
+    path = SERVICES.format(ns="evil2") + "/llama-both"
+    patch = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}}}
+    headers = {"Content-Type": "application/merge-patch+json"} | server.headers()
+    assert httpx.patch(server.url + path, json=patch, headers=headers).status_code == 200
+    final = discover(config, None, lambda eps: len(eps) >= 1)[-1]
+    assert final == {Endpoint("http://10.0.0.1:8000", "both", "llama")}
