@@ -69,3 +69,17 @@ def test_chart_rbac_matches_the_manifests() -> None:
         if d and d["kind"] == "ClusterRole"
     }
     assert chart == plain
+
+
+def test_watched_namespaces_get_namespaced_rbac() -> None:
+    """With operator.watchNamespaces the operator gets a Role and RoleBinding in each of them
+    and no cluster-wide grant; without, a ClusterRole and ClusterRoleBinding."""
+    rendered = helm("template", "baton", str(CHART), "--set", "operator.watchNamespaces={a,b}")
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    grants = {(d["kind"], d["metadata"].get("namespace")) for d in docs if "Role" in d["kind"]}
+    assert grants == {("Role", "a"), ("Role", "b"), ("RoleBinding", "a"), ("RoleBinding", "b")}
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.34.0", strict=True)
+    everywhere = [d for d in yaml.safe_load_all(helm("template", "baton", str(CHART))) if d]
+    kinds = {d["kind"] for d in everywhere if "Role" in d["kind"]}
+    assert kinds == {"ClusterRole", "ClusterRoleBinding"}

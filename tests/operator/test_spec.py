@@ -144,6 +144,20 @@ def test_model_uri_schemes(uri: str, scheme: str, served: str, path: str) -> Non
         ({"kvTransfer": {"leaseSeconds": "30"}}, "InvalidSpec", "must be an integer"),
         ({"decode": {"autoscaling": {}}}, "InvalidSpec", "maxReplicas is required"),
         ({"model": {}}, "InvalidSpec", "spec.model.uri is required"),
+        ({"model": {"uri": "pvc://claim/../../x"}}, "InvalidModelURI", "'..' path segments"),
+        ({"model": {"uri": "hf://../x"}}, "InvalidModelURI", "'..' path segments"),
+        ({"model": {"uri": "file:///models/../etc"}}, "InvalidModelURI", "'..' path segments"),
+        (
+            {"model": {"uri": "hf://a/b", "servedModelName": "$(BATON_API_KEY)"}},
+            "EnvironmentExpansion",
+            "spec.model.servedModelName",
+        ),
+        (
+            {"engine": {"extraArgs": ["--seed", "$(HF_TOKEN)"]}},
+            "EnvironmentExpansion",
+            "spec.engine.extraArgs",
+        ),
+        ({"model": {"uri": "pvc://c/$(POD_IP)"}}, "EnvironmentExpansion", "spec.model.uri"),
     ],
 )
 def test_bad_specs_name_a_reason(change: dict[str, Any], reason: str, fragment: str) -> None:
