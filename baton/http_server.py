@@ -11,6 +11,12 @@ loris), holds its connection and its socket forever. Here every request must arr
 (request line, headers and body) within `read_timeout` seconds of its first byte (or of the
 connection, for the first request); past that the connection is closed, and a request already
 handed to the app sees a disconnect.
+
+Both also share who may call them (`BearerAuth`, on with `--api-key` or `BATON_API_KEY`, as
+vLLM's `--api-key` / `VLLM_API_KEY`) and TLS (`--ssl-certfile` / `--ssl-keyfile`, uvicorn's).
+With a key every path but the liveness and metrics ones (`OPEN_PATHS`) needs
+`Authorization: Bearer <key>`: vLLM guards only `/v1/*`, which leaves `/tokenize` (templates
+rendered, prompts tokenized: work any caller could order) open; here it is not.
 """
 
 from __future__ import annotations
@@ -18,16 +24,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
+import os
+import secrets
 import signal
+import ssl
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import prometheus_client
 import uvicorn
 from starlette.requests import Request
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from baton.errors import APIError
 
 T = TypeVar("T")
 
@@ -35,6 +47,9 @@ DEFAULT_READ_TIMEOUT = 30.0  # seconds; nginx gives 60 to headers and 60 between
 # What a client that left before its answer is logged with (nginx's code); nobody reads it.
 CLIENT_CLOSED = 499
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+API_KEY_ENV = "BATON_API_KEY"  # the key when --api-key is not given (vLLM: VLLM_API_KEY)
+# What a client may call without the key: probes and scrapers hold no key.
+OPEN_PATHS = frozenset(("/health", "/metrics"))
 
 
 @dataclass(frozen=True)
@@ -48,8 +63,23 @@ class ListenConfig:
     request_read_timeout: float = DEFAULT_READ_TIMEOUT  # seconds a client has to send a request
     access_log: bool = False
     uvicorn_log_level: str = "warning"
+    # Any one of these as `Authorization: Bearer <key>` opens every path but OPEN_PATHS;
+    # empty: no check. Kept out of repr so that a logged config does not log the keys.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    ssl_certfile: str | None = None  # PEM certificate (chain): serve HTTPS
+    ssl_keyfile: str | None = None  # its private key (default: in ssl_certfile)
+    ssl_ca_certs: str | None = None  # CAs that client certificates are verified against
+    ssl_cert_reqs: int = int(ssl.CERT_NONE)  # 2 (CERT_REQUIRED): clients must show a cert
 
     def __post_init__(self) -> None:
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must not contain an empty key")
+        if self.ssl_certfile is None and (
+            self.ssl_keyfile or self.ssl_ca_certs or self.ssl_cert_reqs != ssl.CERT_NONE
+        ):
+            raise ValueError("ssl_keyfile, ssl_ca_certs and ssl_cert_reqs need ssl_certfile")
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.shutdown_timeout < 0:
@@ -70,6 +100,36 @@ def add_listen_args(parser: argparse.ArgumentParser, defaults: type[ListenConfig
         help="seconds a client has to send a whole request (headers and body); slower "
         "connections are closed",
     )
+    parser.add_argument(
+        "--api-key",
+        dest="api_keys",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help=f"require `Authorization: Bearer KEY` (any of the keys given) on every path but "
+        f"{', '.join(sorted(OPEN_PATHS))} (default: ${API_KEY_ENV}, which keeps the key off "
+        f"the command line)",
+    )
+    parser.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS")
+    parser.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
+    parser.add_argument(
+        "--ssl-ca-certs", default=None, help="CA bundle that client certificates are checked with"
+    )
+    parser.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=defaults.ssl_cert_reqs,
+        help="client certificates: 0 not asked, 1 checked if sent, 2 required (Python ssl's)",
+    )
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of `--api-key`, else the one in $BATON_API_KEY (none when it is unset or
+    empty)."""
+    if args.api_keys:
+        return tuple(args.api_keys)
+    key = os.environ.get(API_KEY_ENV, "")
+    return (key,) if key else ()
 
 
 # ---- the read deadline -----------------------------------------------------------------------
@@ -115,6 +175,61 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         self._disarm()
 
 
+# ---- who may call -----------------------------------------------------------------------------
+
+
+class BearerAuth:
+    """Answers 401 (OpenAI's error shape) to a request outside OPEN_PATHS that does not carry
+    one of `keys` as `Authorization: Bearer <key>`, before the app or its body is read.
+
+    Keys are compared as SHA-256 digests with `secrets.compare_digest`, every key every time:
+    how long a check takes says nothing of how much of a guess was right, or of which key
+    nearly matched.
+    """
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        if not keys:
+            raise ValueError("BearerAuth needs at least one key")
+        self.app = app
+        self._digests = tuple(hashlib.sha256(key.encode()).digest() for key in keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _is_open(scope):
+            await self.app(scope, receive, send)
+            return
+        error = self._refusal(scope)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        response = error.response()
+        response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        """None when the request carries a key; else the 401 that says what is wrong."""
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None:
+            return APIError(401, "no API key given: send `Authorization: Bearer <key>`")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return APIError(401, "the Authorization header must be `Bearer <key>`")
+        digest = hashlib.sha256(token).digest()
+        match = False
+        for known in self._digests:
+            match |= secrets.compare_digest(digest, known)
+        return None if match else APIError(401, "incorrect API key")
+
+
+def _is_open(scope: Scope) -> bool:
+    # The path as routing sees it: without the mount's root_path, and without a trailing
+    # slash, so that a probe of `/health/` is not refused for the slash.
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    return (path.rstrip("/") or "/") in OPEN_PATHS
+
+
 # ---- serving ---------------------------------------------------------------------------------
 
 
@@ -128,7 +243,9 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HTTPServer:
-    """One ASGI app under uvicorn, on `ListenConfig`'s address, with the read deadline.
+    """One ASGI app under uvicorn, on `ListenConfig`'s address, with the read deadline, the
+    API key check (outermost, so that no unauthenticated body is buffered) and TLS when
+    configured.
 
     The owner decides what SIGINT and SIGTERM mean (`handle_signals`) and ends serving with
     `stop`; uvicorn then closes the listener, gives open requests `graceful_shutdown` seconds
@@ -145,6 +262,8 @@ class HTTPServer:
     ) -> None:
         # uvicorn takes a protocol class; this one drops clients slower than the read deadline.
         timeout = {"read_timeout": listen.request_read_timeout}
+        if listen.api_keys:
+            app = BearerAuth(app, listen.api_keys)
         config = uvicorn.Config(
             app,
             host=listen.host,
@@ -154,6 +273,10 @@ class HTTPServer:
             access_log=listen.access_log,
             log_level=listen.uvicorn_log_level,
             timeout_graceful_shutdown=int(graceful_shutdown),
+            ssl_certfile=listen.ssl_certfile,
+            ssl_keyfile=listen.ssl_keyfile,
+            ssl_ca_certs=listen.ssl_ca_certs,
+            ssl_cert_reqs=listen.ssl_cert_reqs,
         )
         self._uvicorn = _Uvicorn(config)
 

@@ -6,6 +6,10 @@ sizing), then starts `baton router` in front of them and prints the endpoint wit
 Ctrl-C or SIGTERM stops the router, then the engines (each drains), then kills what lingers; a
 second signal kills at once. A process that dies during start-up stops the rest, and the exit
 code is non-zero. Engine and router flags given to `baton serve` are passed on to them.
+
+`--api-key` (or $BATON_API_KEY) turns keys on: the router requires it from clients and the
+engines from the router (the same key, as the router's upstream key). It reaches the children
+in their environment, not on their command lines, where any local user could read it.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from baton.http_server import HTTPServer
-from baton.router.cli import add_routing_args
+from baton.http_server import API_KEY_ENV, HTTPServer
+from baton.router.cli import UPSTREAM_API_KEY_ENV, add_routing_args
 
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
 _POLL_SECONDS = 0.2
 _PROGRESS_SECONDS = 5.0
-# Engine flags `baton serve` sets itself for each engine.
-_OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port"}
+# Engine flags `baton serve` sets itself for each engine. The key goes by environment; TLS is
+# left out: the engines talk plain HTTP to a router on the same machine.
+_OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys"}
+_OWN_ENGINE_FLAGS |= {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"}
 
 
 def _free_port() -> int:
@@ -116,6 +122,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
     parser.add_argument("--port", type=int, default=8000, help="the router's port")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"the key clients must send the router (`Authorization: Bearer KEY`); the engines "
+        f"require it from the router too (default: ${API_KEY_ENV})",
+    )
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
         "--stop-timeout", type=float, default=30.0, help="seconds each process gets to stop"
@@ -143,6 +155,7 @@ class Plan:
     host: str
     port: int
     log_level: str
+    api_key: str | None = field(default=None, repr=False)  # None: no keys anywhere
 
     def __post_init__(self) -> None:
         counts = (self.num_prefill, self.num_decode, self.num_both)
@@ -179,6 +192,7 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         host=args.host,
         port=args.port,
         log_level=getattr(args, "log_level", "INFO"),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
     )
 
 
@@ -198,6 +212,7 @@ class Child:
     name: str
     url: str
     argv: list[str]
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # the whole environment
     proc: asyncio.subprocess.Process | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=_LOG_TAIL))
     ready_after: float | None = None
@@ -209,6 +224,7 @@ class Child:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            env=self.env or None,
             start_new_session=True,  # our signals reach it from us, in order, not from the tty
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -264,6 +280,17 @@ class Supervisor:
     def _baton(self, *words: str) -> list[str]:
         return [sys.executable, "-m", "baton.cli", "--log-level", self.plan.log_level, *words]
 
+    def _env(self, **keys: str | None) -> dict[str, str]:
+        """Our environment with the children's keys set as given (unset when None), so that a
+        key in our own environment reaches only the child it is meant for."""
+        env = {k: v for k, v in os.environ.items() if k not in keys}
+        env.update({k: v for k, v in keys.items() if v is not None})
+        return env
+
+    def auth_headers(self) -> dict[str, str]:
+        key = self.plan.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
     def _engine(self, role: str, index: int) -> Child:
         port = _free_port()
         argv = self._baton(
@@ -271,7 +298,8 @@ class Supervisor:
             *self.plan.engine_words,
         )  # fmt: skip
         name = f"{'engine' if role == 'both' else role}-{index}"
-        return Child(name, f"http://127.0.0.1:{port}", argv)
+        env = self._env(**{API_KEY_ENV: self.plan.api_key, UPSTREAM_API_KEY_ENV: None})
+        return Child(name, f"http://127.0.0.1:{port}", argv, env)
 
     async def run(self) -> int:
         with HTTPServer.handle_signals(self._on_signal):
@@ -310,7 +338,9 @@ class Supervisor:
             role = {"prefill": "--prefill", "decode": "--decode"}.get(child.name.split("-")[0])
             words += [role or "--engine", child.url]
         host = "127.0.0.1" if p.host in ("0.0.0.0", "::") else p.host
-        self.router = Child("router", f"http://{host}:{p.port}", self._baton(*words))
+        key = p.api_key
+        env = self._env(**{API_KEY_ENV: key, UPSTREAM_API_KEY_ENV: key})
+        self.router = Child("router", f"http://{host}:{p.port}", self._baton(*words), env)
         _say(f"all engines ready; starting the router on {p.host}:{p.port}")
         await self.router.start()
         if not await self._wait_healthy([self.router]):
@@ -355,14 +385,16 @@ class Supervisor:
     async def _banner(self, url: str, layout: str) -> None:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client,
-            client.get(f"{url}/v1/models") as response,
+            client.get(f"{url}/v1/models", headers=self.auth_headers()) as response,
         ):
             models = (await response.json())["data"]
         model = models[0]["id"] if models else "MODEL"
         example = json.dumps({"model": model, "prompt": "The relay team", "max_tokens": 16})
+        # The key itself is not printed: terminals and CI logs keep what they show.
+        auth = ' -H "Authorization: Bearer $BATON_API_KEY"' if self.plan.api_key else ""
         print(
             f"\nBaton is serving `{model}` at {url}/v1 ({layout} engines)\n"
-            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"  curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
             f"    -d '{example}'\n"
             f"Metrics: {url}/metrics   Engines: {url}/engines   Ctrl-C stops everything.\n",
             flush=True,

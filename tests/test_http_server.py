@@ -1,10 +1,15 @@
-"""The shared HTTP server lifecycle: listen settings, serve and stop, the read deadline, and
-work cancelled when its client leaves."""
+"""The shared HTTP server lifecycle: listen settings, serve and stop, the read deadline, work
+cancelled when its client leaves, the API key check and TLS."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,7 +17,16 @@ import pytest
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from baton.http_server import ClientGone, HTTPServer, ListenConfig, cancel_on_disconnect
+from baton.http_server import (
+    API_KEY_ENV,
+    ClientGone,
+    HTTPServer,
+    ListenConfig,
+    add_listen_args,
+    api_keys_from_args,
+    cancel_on_disconnect,
+)
+from tests.support.tls import make_certs
 
 
 def _free_port() -> int:
@@ -46,6 +60,11 @@ def test_listen_config_refuses_nonsense() -> None:
         ListenConfig(shutdown_timeout=-1)
     with pytest.raises(ValueError, match="request_read_timeout"):
         ListenConfig(request_read_timeout=0)
+    with pytest.raises(ValueError, match="empty key"):
+        ListenConfig(api_keys=("",))
+    with pytest.raises(ValueError, match="need ssl_certfile"):
+        ListenConfig(ssl_keyfile="key.pem")
+    assert "secret" not in repr(ListenConfig(api_keys=("secret",)))
 
 
 @pytest.mark.asyncio
@@ -140,3 +159,94 @@ async def test_a_client_that_leaves_cancels_the_work() -> None:
     with pytest.raises(ClientGone):
         await asyncio.wait_for(cancel_on_disconnect(request, work()), 5)
     assert cleaned.is_set()
+
+
+@contextlib.asynccontextmanager
+async def _serving(listen: ListenConfig) -> AsyncIterator[None]:
+    """`_ok` under HTTPServer with `listen`, until the block ends."""
+    http = HTTPServer(_ok, listen, lifespan="off", graceful_shutdown=1)
+    serving = asyncio.create_task(http.serve())
+    try:
+        for _ in range(200):
+            if http.started or serving.done():
+                break
+            await asyncio.sleep(0.02)
+        assert http.started, "the server never listened"
+        yield
+    finally:
+        http.stop()
+        await asyncio.wait_for(serving, 10)
+
+
+@pytest.mark.asyncio
+async def test_a_key_guards_every_path_but_health_and_metrics() -> None:
+    """With keys set, a request outside /health and /metrics without one of them as a Bearer
+    token is a 401 in OpenAI's error shape; either key opens every path (vLLM's --api-key)."""
+    port = _free_port()
+    listen = ListenConfig(host="127.0.0.1", port=port, api_keys=("key-one", "key-two"))
+    url = f"http://127.0.0.1:{port}"
+    async with _serving(listen), httpx.AsyncClient(base_url=url) as client:
+        for path in ("/health", "/metrics", "/health/"):
+            assert (await client.get(path)).status_code == 200, path
+        refused = ("", "Bearer wrong", "key-one", "Basic key-one", "Bearer key", "Bearer  key-one")
+        for value in refused:
+            headers = {"Authorization": value} if value else {}
+            for path in ("/v1/models", "/v1/completions", "/tokenize", "/engines", "/"):
+                r = await client.post(path, headers=headers, content=b"{}")
+                assert r.status_code == 401, (path, headers)
+                assert r.headers["www-authenticate"] == "Bearer"
+                error = r.json()["error"]
+                assert r.json()["object"] == "error"
+                assert (error["type"], error["code"]) == ("AuthenticationError", 401)
+        for key in ("key-one", "key-two"):
+            for scheme in ("Bearer", "bearer"):
+                r = await client.get("/v1/models", headers={"Authorization": f"{scheme} {key}"})
+                assert (r.status_code, r.text) == (200, "ok")
+
+
+@pytest.mark.asyncio
+async def test_no_key_no_check() -> None:
+    """Without keys every path is open, as before."""
+    port = _free_port()
+    async with _serving(ListenConfig(host="127.0.0.1", port=port)), httpx.AsyncClient() as client:
+        r = await client.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
+        assert r.status_code == 200
+
+
+def test_the_key_comes_from_the_flag_else_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--api-key wins (several keys allowed); without it $BATON_API_KEY; an empty one is none."""
+    parser = argparse.ArgumentParser()
+    add_listen_args(parser, ListenConfig)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_keys_from_args(parser.parse_args([])) == ()
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_keys_from_args(parser.parse_args([])) == ("from-env",)
+    flags = parser.parse_args(["--api-key", "a", "b"])
+    assert api_keys_from_args(flags) == ("a", "b")
+    monkeypatch.setenv(API_KEY_ENV, "")
+    assert api_keys_from_args(parser.parse_args([])) == ()
+
+
+@pytest.mark.asyncio
+async def test_tls_with_the_ssl_flags(tmp_path: Path) -> None:
+    """--ssl-certfile/--ssl-keyfile serve HTTPS: a client trusting the CA gets its answer, one
+    that does not is refused, and plain HTTP gets no answer."""
+    certs = make_certs(tmp_path)
+    port = _free_port()
+    listen = ListenConfig(host="127.0.0.1", port=port, ssl_certfile=str(certs.cert),
+                          ssl_keyfile=str(certs.key), api_keys=("k",))  # fmt: skip
+    async with _serving(listen):
+        trusted = ssl.create_default_context(cafile=str(certs.ca))
+        async with httpx.AsyncClient(verify=trusted) as client:
+            r = await client.get(f"https://127.0.0.1:{port}/v1/models",
+                                 headers={"Authorization": "Bearer k"})  # fmt: skip
+            assert (r.status_code, r.text) == (200, "ok")
+            assert (await client.get(f"https://127.0.0.1:{port}/v1/models")).status_code == 401
+        async with httpx.AsyncClient() as untrusting:
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                await untrusting.get(f"https://127.0.0.1:{port}/health")
+        async with httpx.AsyncClient() as plain:
+            with pytest.raises(httpx.HTTPError):
+                await plain.get(f"http://127.0.0.1:{port}/health")

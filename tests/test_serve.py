@@ -85,8 +85,8 @@ class Serve:
                 self.proc.wait()
         return self.proc.returncode
 
-    def engines(self) -> list[dict[str, Any]]:
-        return list(httpx.get(f"{self.url}/engines").json()["engines"])
+    def engines(self, headers: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        return list(httpx.get(f"{self.url}/engines", headers=headers).json()["engines"])
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
@@ -106,10 +106,12 @@ def _engine_pid(url: str) -> int:
     raise AssertionError(f"no engine process for {url}")
 
 
-def _completion(url: str, prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
+def _completion(
+    url: str, prompt: str = PROMPT, headers: dict[str, str] | None = None, **extra: Any
+) -> dict[str, Any]:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
             "return_token_ids": True, **extra}  # fmt: skip
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -223,19 +225,30 @@ def test_killing_engines_mid_run(disaggregated: Serve) -> None:
 
 
 def test_aggregated_engines_serve_and_stop_cleanly(tiny_model: Any, tmp_path: Path) -> None:
-    """`baton serve --engines 1`: answers equal the engine's own; SIGINT stops every process
-    it started (the engines' core processes too) and exits 0."""
+    """`baton serve --engines 1 --api-key K`: the router and the engine both require K (the
+    router sends it on), the `openai` client with K gets the engine's own answers, and no
+    child has K on its command line; SIGINT stops every process it started (the engines' core
+    processes too) and exits 0."""
     model = Path(tiny_model("llama"))
+    key = "serve-test-key"
     s = Serve(tmp_path / "serve.log", "--model", str(model), "--served-model-name", "tiny",
-              "--engines", "1", *ENGINE_FLAGS)  # fmt: skip
+              "--engines", "1", "--api-key", key, *ENGINE_FLAGS)  # fmt: skip
+    auth = {"Authorization": f"Bearer {key}"}
     try:
         s.wait_ready()
-        (engine,) = s.engines()
+        (engine,) = s.engines(auth)
         assert engine["role"] == "both"
-        via, alone = _completion(s.url), _completion(engine["url"])
+        via, alone = _completion(s.url, headers=auth), _completion(engine["url"], headers=auth)
         assert via["choices"][0]["token_ids"] == alone["choices"][0]["token_ids"]
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key=key, max_retries=0)
+        assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).choices
+        for url in (s.url, engine["url"]):
+            assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
+            assert httpx.get(f"{url}/metrics").status_code == 200
         pid = _engine_pid(engine["url"])
+        assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert "Baton is serving `tiny`" in s.log() and "curl -s" in s.log()
+        assert "Bearer $BATON_API_KEY" in s.log() and key not in s.log()
     finally:
         code = s.stop()
     assert code == 0, s.log()
@@ -259,8 +272,10 @@ def test_an_engine_failing_at_start_up_stops_everything(tmp_path: Path) -> None:
     assert "exited with code" in log and "during start-up" in log and "max_model_len" in log
 
 
-def test_serve_flags_reach_the_router_and_the_engines() -> None:
-    """Routing flags go to the router, engine flags to each engine, and only those given."""
+def test_serve_flags_reach_the_router_and_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routing flags go to the router, engine flags to each engine, and only those given; the
+    key goes to neither's command line."""
+    monkeypatch.delenv("BATON_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
     serve.add_args(parser)
     args = parser.parse_args(
@@ -274,6 +289,11 @@ def test_serve_flags_reach_the_router_and_the_engines() -> None:
         "--max-model-len", "256", "--no-enable-prefix-caching", "--served-model-name", "m",
         "--disable-uvicorn-access-log",
     }  # fmt: skip
+    assert plan.api_key is None
+    keyed = serve.plan_from_args(parser.parse_args(["--api-key", "k"]))
+    assert keyed.api_key == "k" and "k" not in keyed.engine_words + keyed.router_words
+    with pytest.raises(SystemExit):  # TLS between serve's own processes is not offered
+        parser.parse_args(["--ssl-certfile", "cert.pem"])
     aggregated = serve.plan_from_args(parser.parse_args(["--engines", "3"]))
     assert (aggregated.num_prefill, aggregated.num_decode, aggregated.num_both) == (0, 0, 3)
     with pytest.raises(ValueError, match="come together"):

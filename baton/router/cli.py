@@ -7,13 +7,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from baton.cli import from_args
-from baton.http_server import ListenConfig, add_listen_args
+from baton.http_server import ListenConfig, add_listen_args, api_keys_from_args
 from baton.router.config import POLICIES, RouterConfig
 from baton.router.discovery import Discovery, Endpoint, StaticDiscovery
 from baton.router.server import serve
+
+UPSTREAM_API_KEY_ENV = "BATON_UPSTREAM_API_KEY"  # --upstream-api-key when the flag is absent
 
 
 def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
@@ -90,6 +93,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "flag, so that baton serve's engine flag of that name does not clash)",
     )
     parser.add_argument("--access-log", action="store_true")
+    upstream = parser.add_argument_group("the engines' side")
+    upstream.add_argument(
+        "--upstream-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"sent to every engine as `Authorization: Bearer KEY` (the engines' --api-key; "
+        f"default: ${UPSTREAM_API_KEY_ENV}). Without it no Authorization header goes to the "
+        f"engines: a client's is for the router",
+    )
+    upstream.add_argument(
+        "--upstream-ca-certs",
+        default=None,
+        metavar="PEM",
+        help="CA bundle that https:// engines' certificates are verified with (default: the "
+        "system's)",
+    )
     static = parser.add_argument_group("static discovery (URLs may repeat the flag)")
     for role in ("prefill", "decode"):
         static.add_argument(
@@ -111,11 +130,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The `RouterConfig` of `add_routing_args`' flags; ValueError if invalid."""
     policy = args.policy or RouterConfig.decode_policy
+    overrides: dict[str, Any] = {}
+    if hasattr(args, "upstream_api_key"):  # `baton serve` passes only the routing flags
+        key = args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
+        overrides["upstream_api_key"] = key
     return from_args(
         RouterConfig,
         args,
         prefill_policy=args.prefill_policy or policy,
         decode_policy=args.decode_policy or policy,
+        **overrides,
     )
 
 
@@ -154,7 +178,12 @@ def discovery_from_args(args: argparse.Namespace) -> Discovery:
 
 def listen_from_args(args: argparse.Namespace) -> ListenConfig:
     """Where `baton router` listens (its shutdown flag is named apart from the engines')."""
-    return from_args(ListenConfig, args, shutdown_timeout=args.router_shutdown_timeout)
+    return from_args(
+        ListenConfig,
+        args,
+        shutdown_timeout=args.router_shutdown_timeout,
+        api_keys=api_keys_from_args(args),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,6 +48,12 @@ class RouterConfig:
     eject_after_failures: int = 2  # consecutive failed requests that eject an engine
     eject_seconds: float = 5.0  # an ejected engine stays out at least this long
 
+    # -- the engines' side (`upstream_auth`) --
+    # Sent to every engine as `Authorization: Bearer`; None: no Authorization header at all
+    # (a client's is the router's key, never the engines'). Out of repr: configs get logged.
+    upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
+    upstream_ca_certs: str | None = None  # CAs for https:// engines; None: the system's
+
     def __post_init__(self) -> None:
         for field, value in (
             ("prefill_policy", self.prefill_policy),
@@ -82,6 +89,8 @@ class RouterConfig:
         for field, number in non_negative:
             if number < 0:
                 raise ValueError(f"{field} must be >= 0, got {number}")
+        if self.upstream_api_key == "":
+            raise ValueError("upstream_api_key must not be empty (None: send no key)")
         if not 0 < self.disagg_cached_fraction <= 1:
             raise ValueError(
                 f"disagg_cached_fraction must be in (0, 1], got {self.disagg_cached_fraction}"

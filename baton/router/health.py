@@ -7,6 +7,7 @@ Passive: `eject_after_failures` failed requests in a row eject an engine for at 
 `eject_seconds`, and it returns only once an active check passes after that.
 An engine that fails a check, or disappears, loses its entry in the prefix index: whatever
 it cached is presumed gone.
+Checks carry the engines' key (`UpstreamAuth`): /health and /metrics are open, /v1/models is not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import aiohttp
 from baton.router.config import RouterConfig
 from baton.router.engines import EngineSet, EngineState
 from baton.router.metrics import RouterMetrics
+from baton.router.upstream_auth import UpstreamAuth
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class HealthMonitor:
         self.config = config
         self.metrics = metrics
         self.on_cache_lost = on_cache_lost
+        self.auth = UpstreamAuth(config)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- the active checks --
@@ -121,7 +124,9 @@ class HealthMonitor:
 
     async def _get(self, state: EngineState, path: str) -> tuple[int, bytes]:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
-        async with self.session().get(state.url + path, timeout=timeout) as response:
+        async with self.session().get(
+            state.url + path, timeout=timeout, headers=self.auth.headers, ssl=self.auth.ssl
+        ) as response:
             return response.status, await response.read()
 
     async def _fetch_models(self, state: EngineState) -> None:

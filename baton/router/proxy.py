@@ -1,7 +1,7 @@
 """Sending one request to an engine, with retries on other engines before the first byte.
 
 `Upstream.send` tries engines in the order a `pick` callback gives them. An attempt fails when
-the connection fails, times out, or the engine answers 502/503/504 (or, streaming, breaks
+the connection fails, times out, or the engine answers 401/502/503/504 (or, streaming, breaks
 before its first body bytes); the next engine is tried, up to `max_retries` more. A 429 is
 backpressure, not failure: the next engine is tried and, if every engine tried answered 429,
 so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is.
@@ -9,6 +9,9 @@ so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is
 Once an answer's first bytes are in, the engine is committed: a stream is passed through chunk
 by chunk as it arrives, never buffered, and a stream that breaks later ends with an error event
 and `data: [DONE]` rather than a hang.
+
+Every attempt carries the engines' key and TLS settings (`UpstreamAuth`), whatever headers
+its caller passed: the client's `Authorization` never reaches an engine.
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ from baton.router.config import RouterConfig
 from baton.router.engines import EngineState
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
+from baton.router.upstream_auth import UpstreamAuth
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE = frozenset((502, 503, 504))
+# An engine's 401 refuses the router's upstream key, not the client: a configuration fault of
+# that engine, tried elsewhere (and ejected) like one that is down.
+_RETRYABLE = frozenset((401, 502, 503, 504))
 _DONE = b"data: [DONE]\n\n"
 
 # Picks the next engine to try, given the URLs tried already; None when there is none left.
@@ -76,6 +82,7 @@ class Upstream:
         self.health = health
         self.metrics = metrics
         self.max_retries = config.max_retries
+        self.auth = UpstreamAuth(config)
 
     async def send(
         self,
@@ -135,7 +142,12 @@ class Upstream:
         stream: bool,
     ) -> Answer:
         try:
-            response = await self.session().post(engine.url + route, data=content, headers=headers)
+            response = await self.session().post(
+                engine.url + route,
+                data=content,
+                headers=self.auth.apply(headers),
+                ssl=self.auth.ssl,
+            )
         except TimeoutError as e:
             raise _Failed("timeout", f"timed out ({type(e).__name__})") from None
         except aiohttp.ClientError as e:

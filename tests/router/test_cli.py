@@ -38,6 +38,26 @@ def test_policy_flags_set_each_role() -> None:
         cli.config_from_args(_parse("--disagg-cached-fraction", "0"))
 
 
+def test_key_flags_and_their_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's own key (--api-key, else $BATON_API_KEY) goes to its listener, the engines'
+    (--upstream-api-key, else $BATON_UPSTREAM_API_KEY) to its `RouterConfig`, with the CA
+    bundle for https engines; https:// static URLs are engines like any other."""
+    monkeypatch.setenv("BATON_API_KEY", "router-env")
+    monkeypatch.setenv("BATON_UPSTREAM_API_KEY", "engine-env")
+    args = _parse("--engine", "https://10.0.0.1:8000", "--upstream-ca-certs", "ca.pem")
+    assert cli.listen_from_args(args).api_keys == ("router-env",)
+    config = cli.config_from_args(args)
+    assert (config.upstream_api_key, config.upstream_ca_certs) == ("engine-env", "ca.pem")
+    discovery = cli.discovery_from_args(args)
+    assert isinstance(discovery, StaticDiscovery)
+    assert [e.url for e in discovery.endpoints] == ["https://10.0.0.1:8000"]
+    args = _parse("--engine", "http://e:1", "--api-key", "r", "--upstream-api-key", "e")
+    assert cli.listen_from_args(args).api_keys == ("r",)
+    assert cli.config_from_args(args).upstream_api_key == "e"
+    monkeypatch.delenv("BATON_UPSTREAM_API_KEY")
+    assert cli.config_from_args(_parse("--engine", "http://e:1")).upstream_api_key is None
+
+
 def test_static_discovery_from_urls() -> None:
     """URL flags become endpoints of their roles; none at all is an error."""
     args = _parse("--prefill", "http://p:1/", "--decode", "http://d:1", "--engine", "http://b:1")

@@ -10,7 +10,7 @@ import sys
 from baton.cli import from_args
 from baton.engine.api.server import ServerConfig, serve
 from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
-from baton.http_server import add_listen_args
+from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
 from baton.kv_transfer.params import FAILURE_POLICIES
 from baton.roles import ROLES
@@ -95,7 +95,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     """`EngineArgs` and `ServerConfig` from `add_server_args`' flags; ValueError if invalid."""
     engine = from_args(EngineArgs, args, kv_transfer=_kv_transfer_config(args))
-    server = from_args(ServerConfig, args, access_log=not args.disable_uvicorn_access_log)
+    server = from_args(
+        ServerConfig,
+        args,
+        access_log=not args.disable_uvicorn_access_log,
+        api_keys=api_keys_from_args(args),
+    )
     return engine, server
 
 

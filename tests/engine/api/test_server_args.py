@@ -66,3 +66,23 @@ def test_tensor_parallel_flags() -> None:
     assert engine.tensor_parallel_size == 2 and engine.kv_transfer is not None
     assert [engine.kv_transfer.for_rank(r).port for r in range(2)] == [7000, 7001]
     assert engine.kv_transfer.for_rank(1).rank == 1
+
+
+def test_key_and_tls_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--api-key (several allowed, else $BATON_API_KEY) and --ssl-* land in `ServerConfig`;
+    an empty key or a key file without its certificate fails."""
+    monkeypatch.setenv("BATON_API_KEY", "from-env")
+    _, server = configs_from_args(_parse())
+    assert server.api_keys == ("from-env",)
+    _, server = configs_from_args(
+        _parse("--api-key", "new", "old", "--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem",
+               "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2")
+    )  # fmt: skip
+    assert server.api_keys == ("new", "old")
+    assert (server.ssl_certfile, server.ssl_keyfile) == ("c.pem", "k.pem")
+    assert (server.ssl_ca_certs, server.ssl_cert_reqs) == ("ca.pem", 2)
+    assert "new" not in repr(server)
+    with pytest.raises(ValueError, match="empty"):
+        configs_from_args(_parse("--api-key", ""))
+    with pytest.raises(ValueError, match="ssl_certfile"):
+        configs_from_args(_parse("--ssl-keyfile", "k.pem"))
