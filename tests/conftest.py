@@ -16,6 +16,14 @@ from baton.engine.ops import cpu_paged_attention
 # values as in a test. Registered here, before any test module imports them.
 pytest.register_assert_rewrite("tests.support", "tests.router.harness", "tests.e2e.stacks")
 
+# One intra-op thread for torch here and in every process the tests start (engine cores,
+# offline engines): the tiny models gain nothing from a second thread, and on a small machine
+# that runs engines side by side, OpenMP threads that spin waiting for a preempted peer cost
+# about half of all CPU time. Set OMP_NUM_THREADS to choose otherwise; the CPU kernel's own
+# tests run it on two threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
 # before anything imports triton, and this file is loaded before every test module.
 if not torch.cuda.is_available():

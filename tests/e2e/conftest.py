@@ -1,5 +1,5 @@
 """Fixtures of the fault and drain suite: real `baton engine` and `baton router` processes of the
-tiny model on free 127.0.0.1 ports, started in parallel once per session, and the checks every
+tiny model on free 127.0.0.1 ports, started in parallel once for the package, and the checks every
 fault test ends with (each request ended, nothing leaked, survivors serve)."""
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class RouterProc(RouterProcess):
         self.wait_ready()
 
 
-@pytest.fixture(scope="session")
+# Package scope: the fleet's 18 processes end with the last test of tests/e2e instead of
+# idling beside every later test of the session.
+@pytest.fixture(scope="package")
 def fleet(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     tmp = tmp_path_factory.mktemp("fleet")
     fleet = Fleet(Path(tiny_model("llama")), tmp)

@@ -312,8 +312,19 @@ def test_abort_while_pulling_frees_blocks_after_the_pull(model: Path, transport:
         decode.shutdown()
 
 
+# Each transport and each KV-head layout once in make test; the two other pairings re-prove
+# those same paths (the transport moves a rank's blocks whatever their layout) at four worker
+# processes each, so they run in make test-long.
+_TP2_CASES = [
+    pytest.param("tcp", None, id="tcp-split-kv-heads"),
+    pytest.param("nixl", 1, id="nixl-replicated-kv-head"),
+    pytest.param("tcp", 1, id="tcp-replicated-kv-head", marks=pytest.mark.long),
+    pytest.param("nixl", None, id="nixl-split-kv-heads", marks=pytest.mark.long),
+]
+
+
 @pytest.mark.slow  # four worker processes
-@pytest.mark.parametrize("kv_heads", [None, 1], ids=["split-kv-heads", "replicated-kv-head"])
+@pytest.mark.parametrize(("transport", "kv_heads"), _TP2_CASES, indirect=["transport"])
 def test_tp2_disaggregated_equals_single_engine(
     tiny_model, transport: str, kv_heads: int | None
 ) -> None:

@@ -5,6 +5,7 @@ request within its deadline and leak no blocks."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.engine_server import Server, expect_error, start_all, start_server, stop_all
+from tests.support.engine_server import Server, expect_error, start_all, stop_all
 from tests.support.kv_peers import BadKVPeer
 from tests.support.procs import engine_core_pid
 
@@ -32,62 +33,64 @@ def model(tiny_model: Any) -> Path:
     return Path(tiny_model("llama"))
 
 
+def _has_nixl() -> bool:
+    try:
+        importlib.import_module("baton.kv_transfer.nixl.transport")
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
-def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    """A single engine, a prefill engine and a decode engine, started side by side."""
+def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+    """Every engine of the module by name, started side by side: a single engine, a TCP
+    prefill and decode engine, a NIXL pair where NIXL imports, and a prefill engine whose
+    leases last 1 s (test_unclaimed_lease_expires reads it, then
+    test_prefill_engine_killed_before_the_pull kills it: the order of this file)."""
     tmp = tmp_path_factory.mktemp("stack")
     flags = {
         "single": ("--block-size", BLOCK),
         "prefill": ("--block-size", BLOCK, "--role", "prefill"),
         "decode": ("--block-size", BLOCK, "--role", "decode", "--kv-load-timeout", "3"),
+        "short-lease": ("--block-size", BLOCK, "--role", "prefill", "--kv-lease-seconds", "1"),
     }
-    servers = list(start_all(model, tmp, flags).values())
+    if _has_nixl():
+        nixl = ("--block-size", BLOCK, "--kv-transport", "nixl")
+        flags["nixl-prefill"] = (*nixl, "--role", "prefill")
+        flags["nixl-decode"] = (*nixl, "--role", "decode", "--kv-load-timeout", "3")
+    servers = start_all(model, tmp, flags)
     try:
         yield servers
     finally:
-        stop_all(servers)
+        # The fault tests leave leases unclaimed on purpose: no need to wait them out.
+        stop_all(servers.values(), drain_seconds=0.5)
 
 
 @pytest.fixture(scope="module")
-def single(stack: list[Server]) -> Server:
-    return stack[0]
+def single(stack: dict[str, Server]) -> Server:
+    return stack["single"]
 
 
 @pytest.fixture(params=["tcp", "nixl"])
-def pair(
-    request: pytest.FixtureRequest,
-    stack: list[Server],
-    model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[str, Server, Server]]:
-    """(transport, prefill, decode): the stack's TCP engines, or a NIXL prefill and decode engine
-    started for the hand-off test alone (skipped where NIXL is not installed)."""
+def pair(request: pytest.FixtureRequest, stack: dict[str, Server]) -> tuple[str, Server, Server]:
+    """(transport, prefill, decode): the stack's TCP engines, or its NIXL ones (skipped where
+    NIXL is not installed)."""
     if request.param == "tcp":
-        yield "tcp", stack[1], stack[2]
-        return
+        return "tcp", stack["prefill"], stack["decode"]
     pytest.importorskip(
         "baton.kv_transfer.nixl.transport", reason="NIXL is not installed", exc_type=ImportError
     )
-    nixl = ("--block-size", BLOCK, "--kv-transport", "nixl")
-    flags = {
-        "prefill": (*nixl, "--role", "prefill"),
-        "decode": (*nixl, "--role", "decode", "--kv-load-timeout", "3"),
-    }
-    servers = start_all(model, tmp_path_factory.mktemp("nixl"), flags)
-    try:
-        yield "nixl", servers["prefill"], servers["decode"]
-    finally:
-        stop_all(servers.values())
+    return "nixl", stack["nixl-prefill"], stack["nixl-decode"]
 
 
 @pytest.fixture(scope="module")
-def prefill(stack: list[Server]) -> Server:
-    return stack[1]
+def prefill(stack: dict[str, Server]) -> Server:
+    return stack["prefill"]
 
 
 @pytest.fixture(scope="module")
-def decode(stack: list[Server]) -> Server:
-    return stack[2]
+def decode(stack: dict[str, Server]) -> Server:
+    return stack["decode"]
 
 
 def _complete(server: Server, prompt: list[int], **extra: Any) -> httpx.Response:
@@ -170,29 +173,24 @@ def test_disaggregated_answers_equal_the_single_engine(
     assert (health["role"], health["kv_transport"]) == ("prefill", transport)
 
 
-def test_unclaimed_lease_expires(model: Path, tmp_path: Path) -> None:
+def test_unclaimed_lease_expires(stack: dict[str, Server]) -> None:
     """The decode side never pulls: the lease expires after --kv-lease-seconds and the prefill
     engine's blocks return to its pool, counted in baton:kv_lease_expired_total."""
-    s = start_server(model, tmp_path, "--block-size", BLOCK, "--role", "prefill",
-                     "--kv-lease-seconds", "1")  # fmt: skip
-    try:
-        _prefill_step(s, list(range(10, 60)))
-        assert s.metrics()["baton:kv_blocks_leased{}"] == 7
-        _wait_for(
-            lambda: s.metrics()["baton:kv_lease_expired_total{}"] == 1, 5, "lease not expired"
-        )
-        m = s.metrics()
-        assert m["baton:kv_blocks_leased{}"] == 0 and m["vllm:kv_cache_usage_perc{}"] == 0.0
-    finally:
-        s.stop()
+    s = stack["short-lease"]
+    _prefill_step(s, list(range(10, 60)))
+    assert s.metrics()["baton:kv_blocks_leased{}"] == 7
+    _wait_for(lambda: s.metrics()["baton:kv_lease_expired_total{}"] == 1, 5, "lease not expired")
+    m = s.metrics()
+    assert m["baton:kv_blocks_leased{}"] == 0 and m["vllm:kv_cache_usage_perc{}"] == 0.0
 
 
 def test_prefill_engine_killed_before_the_pull(
-    model: Path, tmp_path: Path, single: Server, decode: Server
+    stack: dict[str, Server], single: Server, decode: Server
 ) -> None:
     """The prefill engine dies after answering: the decode engine recomputes (policy recompute)
-    or answers a clear 503 (policy fail), within the load timeout."""
-    victim = start_server(model, tmp_path, "--block-size", BLOCK, "--role", "prefill")
+    or answers a clear 503 (policy fail), within the load timeout. (The victim is the stack's
+    short-lease engine, done with above; the decode side never looks at the lease's end.)"""
+    victim = stack["short-lease"]
     prompts = {"recompute": list(range(100, 140)), "fail": list(range(140, 170))}
     try:
         params = {policy: _prefill_step(victim, prompt) for policy, prompt in prompts.items()}

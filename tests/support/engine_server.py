@@ -63,13 +63,13 @@ class Server:
             time.sleep(0.2)
         pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
 
-    def stop(self) -> None:
-        """SIGTERM (drain); a second SIGTERM if it is still draining after a few seconds (a
+    def stop(self, drain_seconds: float = 5) -> None:
+        """SIGTERM (drain); a second SIGTERM if it is still draining after `drain_seconds` (a
         lease a test left unclaimed would hold it for the lease time: the second signal stops it
-        at once); SIGKILL for the server and its children if it lingers even then."""
+        at once); SIGKILL for the server and its children if it lingers 5 s even then."""
         if self.proc.poll() is None:
             kids = children(self.proc.pid)
-            for wait in (5, 5):
+            for wait in (drain_seconds, 5):
                 self.proc.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(wait)
@@ -127,12 +127,14 @@ def start_all(model: Path, tmp: Path, flags: Mapping[str, Sequence[str]]) -> dic
     return servers
 
 
-def stop_all(servers: Iterable[Server]) -> None:
-    """Stops every server at once: each drain and exit takes seconds of waiting, not of CPU."""
+def stop_all(servers: Iterable[Server], drain_seconds: float = 5) -> None:
+    """Stops every server at once: each drain and exit takes seconds of waiting, not of CPU.
+    Fixtures whose tests leave leases unclaimed on purpose pass a short `drain_seconds`: the
+    drain would only wait those leases out."""
     servers = list(servers)
     if servers:
         with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(Server.stop, servers))
+            list(pool.map(lambda s: s.stop(drain_seconds), servers))
 
 
 def expect_error(response: httpx.Response, status: int) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -10,6 +12,16 @@ from baton.engine.ops import cpu_paged_attention as cpa
 pytestmark = pytest.mark.skipif(
     not cpa.available(torch.float32, 8, 4, 32, 16), reason="no C compiler for the CPU kernel"
 )
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> Iterator[None]:
+    """The kernel splits its work over torch's thread count; the suite runs on one thread
+    (tests/conftest.py), these tests on two, so that the parallel loop is what they check."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(
