@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ def _forgeries(port: int) -> list[dict[str, Any]]:
         "remote_request_id": FORGED_ID,
         "remote_block_ids": [0, 1, 2],
         "num_prompt_tokens": 40,
+        "lease_expires_at": time.time() + 60,
     }
     return [pull, {"do_remote_decode": True, "remote_request_id": FORGED_ID}]
 
