@@ -8,7 +8,8 @@ so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is
 
 Once an answer's first bytes are in, the engine is committed: a stream is passed through chunk
 by chunk as it arrives, never buffered, and a stream that breaks later ends with an error event
-and `data: [DONE]` rather than a hang.
+and `data: [DONE]` rather than a hang. A whole answer reaches the client without the engine's
+`kv_transfer_params` (where an engine's KV blocks wait is the router's business alone).
 
 Every attempt carries the engines' key and TLS settings (`UpstreamAuth`), whatever headers
 its caller passed: the client's `Authorization` never reaches an engine.
@@ -192,7 +193,10 @@ class Upstream:
         if answer.stream is None or answer.chunks is None:
             self.metrics.duration(route, time.perf_counter() - started)
             return Response(
-                answer.body, answer.status, headers=headers, media_type=answer.content_type
+                without_kv_params(answer.body),
+                answer.status,
+                headers=headers,
+                media_type=answer.content_type,
             )
         self.metrics.first_byte(route, time.perf_counter() - started)
         return _PassThrough(self, answer, answer.chunks, route, started, headers)
@@ -274,6 +278,21 @@ class _PassThrough(Response):
         else:
             stream.close()  # cut midway: the connection cannot be reused
         self._upstream.metrics.duration(self._route, time.perf_counter() - self._started)
+
+
+def without_kv_params(body: bytes | None) -> bytes | None:
+    """An engine's whole answer without its `kv_transfer_params` (engine id, address, block ids
+    and lease of its KV: nothing a client may hold or replay)."""
+    if not body or b"kv_transfer_params" not in body:
+        return body  # the common answer, passed on without a parse
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(answer, dict) or "kv_transfer_params" not in answer:
+        return body  # the words were in the text, not a field
+    del answer["kv_transfer_params"]
+    return json.dumps(answer).encode()
 
 
 def _message(body: bytes | None) -> str:

@@ -39,6 +39,20 @@ logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("x-request-id", "authorization")
 
+# Says which engine's KV blocks a request reads or keeps: only the router's own hand-off may
+# set it (a client's would make an engine connect where the client says, or hand the client
+# engine coordinates), and an engine's answer never shows it to a client.
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+
+
+def client_body(raw: bytes, body: dict[str, Any]) -> bytes:
+    """`raw` without the client's `kv_transfer_params` (popped from `body` too); unchanged, not
+    re-encoded, when it has none."""
+    if KV_TRANSFER_PARAMS not in body:
+        return raw
+    del body[KV_TRANSFER_PARAMS]
+    return json.dumps(body).encode()
+
 
 @dataclass
 class Routed:
@@ -46,7 +60,7 @@ class Routed:
 
     route: str  # "/v1/completions" or "/v1/chat/completions"
     body: dict[str, Any]  # the parsed JSON body
-    raw: bytes  # the body as it came, sent on unchanged when nothing in it changes
+    raw: bytes  # the body as it came (less any kv_transfer_params), sent on as it is
     model: str
     stream: bool
     session_id: str | None  # the x-session-id header
@@ -157,6 +171,7 @@ class Router:
             value = request.headers.get(name)
             if value is not None:
                 headers[name] = value
+        raw = client_body(raw, body)
         return Routed(
             route=route,
             body=body,
@@ -279,6 +294,8 @@ class Router:
         """/tokenize and /detokenize: any available engine of the model."""
         started = time.perf_counter()
         raw, body = await self.body(request)
+        if isinstance(body, dict):
+            raw = client_body(raw, body)
         model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
 
         def pick(tried: set[str]) -> EngineState | None:

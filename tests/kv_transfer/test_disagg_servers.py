@@ -274,3 +274,29 @@ def test_bad_kv_transfer_params_are_400(prefill: Server, decode: Server) -> None
     other_rank0 = params | {"remote_ports": [params["remote_port"] + 1]}
     error = expect_error(_complete(decode, prompt, kv_transfer_params=other_rank0), 400)
     assert "remote_ports[0]" in error["message"]
+
+
+def test_a_reused_client_request_id_cannot_corrupt_a_live_hand_off(
+    single: Server, prefill: Server, decode: Server
+) -> None:
+    """Two prompts prefilled under one client request_id while the first one's lease is alive:
+    each decode reads its own prompt's KV (the single engine's tokens), with no failed pull, and
+    the prefill engine's prefix cache still answers the first prompt right. Engine-side ids were
+    the client's: the second prefill took over the first one's leased blocks and wrote its own
+    KV into them, under the first prompt's cached hashes."""
+    prompts = [[(7 * i + 3 * k) % 450 + 30 for i in range(40)] for k in (1, 2)]
+    want = [_tokens(_complete(single, p)) for p in prompts]
+    leases = []
+    for prompt in prompts:
+        r = _complete(prefill, prompt, max_tokens=1, request_id="reused",
+                      kv_transfer_params={"do_remote_decode": True})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == "cmpl-reused"  # the client's id names the response
+        leases.append(r.json()["kv_transfer_params"])
+    assert leases[0]["remote_request_id"] != leases[1]["remote_request_id"]
+    for prompt, params, tokens in zip(prompts, leases, want, strict=True):
+        strict = {**params, "kv_load_failure_policy": "fail"}  # no silent recompute
+        r = _complete(decode, prompt, request_id="reused", kv_transfer_params=strict)
+        assert _tokens(r) == tokens
+        assert r.json()["id"] == "cmpl-reused"
+    assert _tokens(_complete(prefill, prompts[0])) == want[0]  # its prefix cache is sound

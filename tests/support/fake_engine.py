@@ -93,6 +93,7 @@ class FakeEngine:
         self.tensor_parallel_size: int | None = None  # said in /health when set
         # -- what happened --
         self.requests: list[dict[str, Any]] = []  # generation request bodies, in order
+        self.tokenize_requests: list[dict[str, Any]] = []  # /tokenize bodies, in order
         self.in_flight = 0
         self.disconnects = 0  # streams whose client left early
         self.prefills = 0  # requests answered as a prefill for a remote decode
@@ -132,6 +133,7 @@ class FakeEngine:
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
+        self.tokenize_requests.append(body)
         ids = list(str(body.get("prompt", "")).encode())
         return JSONResponse({"count": len(ids), "max_model_len": 1024, "tokens": ids})
 

@@ -62,6 +62,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout)
     parser.add_argument("--uvicorn-log-level", default=s.uvicorn_log_level)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent in a request (off: such requests are a 400; a "
+        "template is code the server runs, so only for clients you trust)",
+    )
     k = KVTransferConfig
     parser.add_argument(
         "--role",

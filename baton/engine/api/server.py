@@ -55,6 +55,7 @@ class ServerConfig(ListenConfig):
     max_waiting_requests: int | None = None  # 429 once the engine has this many waiting
     max_body_bytes: int = 10 << 20  # 413 past this
     engine_label: str = "0"  # the `engine` label of every metric
+    trust_request_chat_template: bool = False  # render a request's own chat_template (vLLM's)
     access_log: bool = True
     uvicorn_log_level: str = "info"
 
@@ -120,6 +121,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         served_model_name=config.served_model_name,
         max_waiting_requests=config.max_waiting_requests,
         engine_label=config.engine_label,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
     app.state.server = server
@@ -167,7 +169,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize", response_model=r.TokenizeResponse, responses=errors)
     async def tokenize(req: p.TokenizeRequest) -> r.TokenizeResponse:
-        return server.tokenize(req)
+        return await server.tokenize(req)
 
     @app.post("/detokenize", response_model=r.DetokenizeResponse, responses=errors)
     async def detokenize(req: p.DetokenizeRequest) -> r.DetokenizeResponse:
@@ -175,16 +177,22 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/completions", responses={200: {"model": r.CompletionResponse}, **errors})
     async def completions(req: p.CompletionRequest, raw: Request) -> Response:
-        return await cancel_on_disconnect(raw, server.completions(req))
+        return await cancel_on_disconnect(raw, server.completions(req, _request_id(raw)))
 
     @app.post(
         "/v1/chat/completions", responses={200: {"model": r.ChatCompletionResponse}, **errors}
     )
     async def chat_completions(req: p.ChatCompletionRequest, raw: Request) -> Response:
-        return await cancel_on_disconnect(raw, server.chat_completions(req))
+        return await cancel_on_disconnect(raw, server.chat_completions(req, _request_id(raw)))
 
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
     return app
+
+
+def _request_id(raw: Request) -> str | None:
+    """The X-Request-Id header, which names the response (before a body's request_id, as in
+    vLLM); never an engine request (`serving` makes those unique)."""
+    return raw.headers.get("x-request-id") or None
 
 
 def _from_validation(exc: RequestValidationError) -> APIError:

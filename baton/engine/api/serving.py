@@ -1,6 +1,14 @@
 """The OpenAI-compatible routes' logic over one engine: admission and the drain, prompts,
 completions and chat completions (whole or streamed as server-sent events), and the tokenizer
 routes. `server.build_app` wires an `EngineServer` into FastAPI.
+
+Request ids: a client's `request_id` (or `X-Request-Id` header, which wins, as in vLLM) names
+the response only. Every engine request gets an id of its own, the response id with a random
+suffix: the engine keys blocks, leases and aborts by it, and a client id reused while the first
+request's blocks are still leased would otherwise write one prompt's KV into another's.
+
+Large prompts are tokenized (and chat templates rendered) on a small thread pool, so that a
+10 MiB body does not stall every other stream and /health for the seconds it takes.
 """
 
 from __future__ import annotations
@@ -8,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -24,6 +33,11 @@ from baton.engine.processor import check_prompt_token_ids
 from baton.engine.sampling_params import SamplingParams
 from baton.errors import APIError
 from baton.kv_transfer.params import KVTransferParams
+
+# Prompts of more characters than this are tokenized off the event loop: below it, the hop to a
+# thread costs more than the tokenization (about 1 MB/s here, so ~16 ms at the bound).
+OFF_LOOP_CHARS = 16 << 10
+_TOKENIZE_THREADS = 2
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
@@ -42,10 +56,13 @@ class EngineServer:
         served_model_name: str | None,  # None: the model folder's name
         max_waiting_requests: int | None,  # 429 once the engine has this many waiting
         engine_label: str,  # the `engine` label of every metric
+        trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
     ) -> None:
         self.llm = llm
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = llm.tokenizer
+        self.trust_request_chat_template = trust_request_chat_template
+        self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.model_name = served_model_name or llm.model_path.name
         kv = llm.args.kv_transfer
         self.role = kv.role if kv is not None else "both"
@@ -141,13 +158,30 @@ class EngineServer:
 
     # -- prompts --
 
-    def _tokenize_prompt(
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works (a
+        # thread that holds it stalls the event loop all the same); it is as fast on one text.
+        (encoding,) = self.tokenizer.backend.encode_batch(
+            [text], add_special_tokens=add_special_tokens
+        )
+        return list(encoding.ids)
+
+    async def _tokenized(self, work: Callable[[], list[int]], off_loop: bool) -> list[int]:
+        if not off_loop:
+            return work()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)
+
+    async def _tokenize_prompt(
         self, prompt: str | list[int], add_special_tokens: bool
     ) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and token ids."""
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return None, prompt
+        if not isinstance(prompt, str):
+            return None, prompt
+
+        def encode() -> list[int]:
+            return self._encode(prompt, add_special_tokens)
+
+        return prompt, await self._tokenized(encode, len(prompt) > OFF_LOOP_CHARS)
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         try:
@@ -155,15 +189,36 @@ class EngineServer:
         except ValueError as e:
             raise APIError(400, str(e), param) from None
 
-    def _chat_prompt(
+    def _check_chat_template(self, template: str | None) -> None:
+        """A request's own template is code the server runs (in a sandbox, but its loops and
+        output size are the client's): refused unless the operator trusts the clients."""
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "a chat_template in the request is refused: this server does not run "
+                "--trust-request-chat-template",
+                "chat_template",
+            )
+
+    async def _chat_prompt(
         self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
     ) -> list[int]:
-        try:
-            return self.tokenizer.apply_chat_template(
-                [m.to_template() for m in messages],
+        self._check_chat_template(template)
+        conversation = [m.to_template() for m in messages]
+        size = sum(len(str(m.get("content", ""))) for m in conversation)
+
+        def render() -> list[int]:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
             )
+            return self._encode(text, add_special_tokens=False)
+
+        try:
+            # A request's own template (trusted, but its loops are its own) always goes off it.
+            return await self._tokenized(render, size > OFF_LOOP_CHARS or template is not None)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render
@@ -171,13 +226,15 @@ class EngineServer:
 
     # -- completions --
 
-    async def completions(self, req: p.CompletionRequest) -> Response:
+    async def completions(
+        self, req: p.CompletionRequest, header_request_id: str | None = None
+    ) -> Response:
         req.check()
         self._check_model(req.model)
-        rid = req.request_id or p.random_id()
+        client_id = header_request_id or req.request_id
         inputs = []
         for prompt in req.prompts():
-            text, ids = self._tokenize_prompt(prompt, req.add_special_tokens)
+            text, ids = await self._tokenize_prompt(prompt, req.add_special_tokens)
             max_tokens = p.resolve_max_tokens(
                 req.max_tokens, 16, len(ids), self.llm.max_model_len, "prompt"
             )
@@ -185,9 +242,9 @@ class EngineServer:
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = self.tokenizer.decode(ids)
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
-        response_id, created = f"cmpl-{rid}", int(time.time())
+        response_id, created = f"cmpl-{client_id or p.random_id()}", int(time.time())
         streams, release = self._open(
-            req, [f"{response_id}-{i}" for i in range(len(inputs))], inputs
+            req, [_internal_id(f"{response_id}-{i}") for i in range(len(inputs))], inputs
         )
         if not req.stream:
             return await self._respond(
@@ -245,19 +302,21 @@ class EngineServer:
 
     # -- chat completions --
 
-    async def chat_completions(self, req: p.ChatCompletionRequest) -> Response:
+    async def chat_completions(
+        self, req: p.ChatCompletionRequest, header_request_id: str | None = None
+    ) -> Response:
         req.check()
         self._check_model(req.model)
-        rid = req.request_id or p.random_id()
-        ids = self._chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
+        client_id = header_request_id or req.request_id
+        ids = await self._chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = p.resolve_max_tokens(
             req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
         )
         self._check_prompt(ids, "messages")
-        response_id, created = f"chatcmpl-{rid}", int(time.time())
+        response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
         inputs = [((None, ids), req.to_sampling_params(max_tokens))]
-        streams, release = self._open(req, [response_id], inputs)
+        streams, release = self._open(req, [_internal_id(response_id)], inputs)
         if not req.stream:
             return await self._respond(
                 streams,
@@ -378,14 +437,14 @@ class EngineServer:
 
     # -- tokenizer routes --
 
-    def tokenize(self, req: p.TokenizeRequest) -> r.TokenizeResponse:
+    async def tokenize(self, req: p.TokenizeRequest) -> r.TokenizeResponse:
         req.check()
         self._check_model(req.model)
         if req.messages is not None:
-            ids = self._chat_prompt(req.messages, req.add_generation_prompt, None)
+            ids = await self._chat_prompt(req.messages, req.add_generation_prompt, None)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=add_special)
+            _, ids = await self._tokenize_prompt(req.prompt or "", add_special)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return r.TokenizeResponse(
             count=len(ids), max_model_len=self.llm.max_model_len, tokens=ids, token_strs=strs
@@ -408,3 +467,8 @@ class EngineServer:
             id=self.model_name, root=str(self.llm.model_path), max_model_len=self.llm.max_model_len
         )
         return r.ModelList(data=[card])
+
+
+def _internal_id(response_id: str) -> str:
+    """The engine's id for one prompt of a response: unique whatever id the client sent."""
+    return f"{response_id}-{p.random_id()}"
