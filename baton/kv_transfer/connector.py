@@ -169,14 +169,15 @@ class PullConnector(KVConnectorBase):
         self.ports = [self.transport.start(kv_cache)]
         self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
         logger.info(
-            "KV connector: role %s, transport %s on %s:%d, engine id %s, rank %d",
+            "KV connector: role %s, transport %s on %s:%d, rank %d",
             self.config.role,
             self.transport.name,
             self.config.public_host,
             self.ports[0],
-            self.config.engine_id,
             self.config.rank,
         )
+        # The engine id is what a KV server checks a reader by: not for INFO logs.
+        logger.debug("KV connector engine id %s", self.config.engine_id)
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         transport, pool = self.transport, self._pool

@@ -63,7 +63,7 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         "--role", pool.role,
         "--kv-transport", kv.transport,
         "--kv-port", str(KV_PORT),
-        "--kv-advertise-host", "$(POD_IP)",
+        "--kv-host", "$(POD_IP)",  # the KV ports listen on the pod IP only, not on every interface
         "--kv-lease-seconds", str(kv.lease_seconds),
         "--kv-load-failure-policy", kv.load_failure_policy,
         "--block-size", str(engine.block_size),

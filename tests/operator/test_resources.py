@@ -151,7 +151,7 @@ def test_engine_command_line_has_every_engine_field() -> None:
         "--role": "prefill",
         "--kv-transport": "nixl",
         "--kv-port": "14579",
-        "--kv-advertise-host": "$(POD_IP)",
+        "--kv-host": "$(POD_IP)",
         "--kv-lease-seconds": "45",
         "--kv-load-failure-policy": "fail",
         "--max-model-len": "8192",
