@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))  # the emulator lives in the test support code
 from baton.operator import crd  # noqa: E402
 from tests.support.kmock_server import ApiServer  # noqa: E402
 
-CHILDREN = 12  # disaggregated, no autoscaling: 3 Deployments, 3 Services, 3 PDBs, SA, Role, RB
+CHILDREN = 13  # disaggregated, no autoscaling: 3 Deployments, 3 Services, 3 PDBs, SA, Role, RB, NetworkPolicy
 SPEC = {"model": {"uri": "hf://acme/llama-8b"}, "image": "baton:bench"}
 
 
