@@ -34,8 +34,10 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = "128"  # bounds every generation, so a fuzzed request takes at most seconds
 CALL_TIMEOUT = 30.0  # a fuzzed request that takes longer is a hang
-# Per operation and generation mode: every route is fuzzed both ways in make test; the long
-# runs (make test-long) are the search for new failures.
+# Per operation and generation mode: every route is fuzzed both ways, first on a fixed,
+# reproducible set of examples, then on many random ones (the search for new failures). Both
+# are a search rather than a behaviour, so both run in make test-long (in CI); make test keeps
+# the hand-written cases below.
 FAST_EXAMPLES = 10
 LONG_EXAMPLES = 150
 MODES = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
@@ -177,11 +179,13 @@ def _fuzz_and_check(stack: Stack, engine_url: str, examples: int, derandomize: b
         assert value <= before[name] * 1.25 + (32 << 20), (name, before[name], value)
 
 
+@pytest.mark.long
 def test_fuzz_engine(engine: Stack) -> None:
     """The engine's API, fuzzed from its schema: no 5xx but 503, no hang, no crash, no growth."""
     _fuzz_and_check(engine, engine.url, FAST_EXAMPLES, derandomize=True)
 
 
+@pytest.mark.long
 def test_fuzz_router(routed: Stack) -> None:
     """The router (over prefill + decode), fuzzed from its and the engine's schemas."""
     _fuzz_and_check(routed, routed.engines["decode"].url, FAST_EXAMPLES, derandomize=True)
