@@ -9,7 +9,8 @@ code is non-zero. Engine and router flags given to `baton serve` are passed on t
 
 `--api-key` (or $BATON_API_KEY) turns keys on: the router requires it from clients and the
 engines from the router (the same key, as the router's upstream key). It reaches the children
-in their environment, not on their command lines, where any local user could read it.
+in their environment, not on their command lines, where any local user could read it. The
+prefill and decode engines share a hand-off secret made for this run alone, the same way.
 """
 
 from __future__ import annotations
@@ -31,14 +32,15 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from baton.http_server import API_KEY_ENV, HTTPServer
+from baton.kv_transfer.keyring import SECRET_ENV, new_secret
 from baton.router.cli import UPSTREAM_API_KEY_ENV, add_routing_args
 
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
 _POLL_SECONDS = 0.2
 _PROGRESS_SECONDS = 5.0
-# Engine flags `baton serve` sets itself for each engine. The key goes by environment; TLS is
+# Engine flags `baton serve` sets itself for each engine. The keys go by environment; TLS is
 # left out: the engines talk plain HTTP to a router on the same machine.
-_OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys"}
+_OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys", "kv_secret_file"}
 _OWN_ENGINE_FLAGS |= {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"}
 
 
@@ -276,6 +278,7 @@ class Supervisor:
         self.router: Child | None = None
         self.stopping = asyncio.Event()
         self._kill_now = False
+        self._kv_secret = new_secret()  # this run's hand-off secret
 
     def _baton(self, *words: str) -> list[str]:
         return [sys.executable, "-m", "baton.cli", "--log-level", self.plan.log_level, *words]
@@ -298,7 +301,10 @@ class Supervisor:
             *self.plan.engine_words,
         )  # fmt: skip
         name = f"{'engine' if role == 'both' else role}-{index}"
-        env = self._env(**{API_KEY_ENV: self.plan.api_key, UPSTREAM_API_KEY_ENV: None})
+        env = self._env(
+            **{API_KEY_ENV: self.plan.api_key, UPSTREAM_API_KEY_ENV: None},
+            **{SECRET_ENV: self._kv_secret},
+        )
         return Child(name, f"http://127.0.0.1:{port}", argv, env)
 
     async def run(self) -> int:
@@ -339,7 +345,7 @@ class Supervisor:
             words += [role or "--engine", child.url]
         host = "127.0.0.1" if p.host in ("0.0.0.0", "::") else p.host
         key = p.api_key
-        env = self._env(**{API_KEY_ENV: key, UPSTREAM_API_KEY_ENV: key})
+        env = self._env(**{API_KEY_ENV: key, UPSTREAM_API_KEY_ENV: key, SECRET_ENV: None})
         self.router = Child("router", f"http://{host}:{p.port}", self._baton(*words), env)
         _say(f"all engines ready; starting the router on {p.host}:{p.port}")
         await self.router.start()

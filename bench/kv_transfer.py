@@ -39,10 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec
 from baton.kv_transfer.checksum import block_bytes, block_checksum
+from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, new_secret
 from baton.kv_transfer.nixl.channel import paired_runs
 from baton.kv_transfer.params import RemotePrefill
 from baton.kv_transfer.sockets import KVConnectionPool
-from baton.kv_transfer.tcp.reader import read_blocks
+from baton.kv_transfer.tcp.reader import Lease, read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
 
 try:
@@ -57,6 +58,8 @@ SIZES = (1, 16, 256, 4096)
 # Repeats per size: enough transfers to be timed well, few enough to finish in well under a minute.
 REPEATS = {1: 300, 16: 200, 256: 30, 4096: 5}
 ENGINE = "bench-engine"
+# The hand-off secret of this run, shared with the serving child through the environment.
+os.environ.setdefault(SECRET_ENV, new_secret())
 
 
 def make_cache() -> torch.Tensor:
@@ -67,7 +70,8 @@ def make_cache() -> torch.Tensor:
 def _child(port_q: Any, stop: Any) -> None:
     """Block server plus a raw socket server over the same cache, until stop is set."""
     cache = make_cache()
-    srv = KVBlockServer(cache, ENGINE)
+    keys = KeyRing.load()
+    srv = KVBlockServer(cache, ENGINE, keys)
     for n in SIZES:
         for mode in ("cold", "warm"):
             for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
@@ -77,7 +81,7 @@ def _child(port_q: Any, stop: Any) -> None:
     raw.settimeout(0.1)
     nixl = None
     if NixlTransport is not None:
-        nixl = NixlTransport(KVTransferConfig(role="prefill", transport="nixl"))
+        nixl = NixlTransport(KVTransferConfig(role="prefill", transport="nixl"), keys)
         nixl_port = nixl.start(cache)
         for n in SIZES:
             for i in range(REPEATS[n] + 1):
@@ -155,13 +159,13 @@ def measure(
     nbytes = n * block_bytes(local)
     ids = list(range(n))
     pool = KVConnectionPool() if mode == "warm" else None
+    keys = KeyRing.load()
     raw_sock = raw_connect(raw_port) if mode == "warm" else None
 
     def kv(i: int) -> None:
         rid = f"{mode}-{n}-{i + 1}"
-        res = read_blocks(
-            "127.0.0.1", kv_port, ENGINE, rid, ids, local, ids, time.monotonic() + 30, pool=pool
-        )
+        lease = Lease("127.0.0.1", kv_port, ENGINE, rid, keys, keys.signing_key_id)
+        res = read_blocks(lease, ids, local, ids, time.monotonic() + 30, pool=pool)
         if not res.ok:
             raise RuntimeError(res.error)
 
@@ -207,8 +211,16 @@ def measure_nixl(
 
     def kv(i: int) -> None:
         rid = f"nixl-{n}-{i + 1}"
+        expires = time.time() + 60
         remote = RemotePrefill(
-            engine, "127.0.0.1", port, rid, ids, n * BLOCK_SIZE, time.time() + 60
+            engine,
+            "127.0.0.1",
+            port,
+            rid,
+            ids,
+            n * BLOCK_SIZE,
+            expires,
+            key_id=reader.keys.signing_key_id,
         )
         res = reader.read(LoadSpec(rid, remote, ids, ids, 30.0), time.monotonic() + 30)
         if not res.ok:
@@ -262,7 +274,9 @@ def main() -> None:
             for mode in ("cold", "warm"):
                 rows.append(measure(n, mode, kv_port, raw_port, local, src, flat))
         if nixl_peer is not None:
-            reader = NixlTransport(KVTransferConfig(role="decode", transport="nixl"))
+            reader = NixlTransport(
+                KVTransferConfig(role="decode", transport="nixl"), KeyRing.load()
+            )
             reader.start(local)
             for n in SIZES:
                 nixl_rows.append(measure_nixl(n, reader, nixl_peer, local, src))

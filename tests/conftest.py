@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,11 @@ pytest.register_assert_rewrite("tests.support", "tests.router.harness", "tests.e
 # tests run it on two threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# One hand-off secret for the session, here and in every engine the tests start (they inherit
+# the environment), so that tests can sign, forge and check params as the engines do without
+# touching the user's own secret file.
+os.environ.setdefault("BATON_KV_SECRET", secrets.token_hex(32))
 
 # Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
 # before anything imports triton, and this file is loaded before every test module.

@@ -54,6 +54,8 @@ class KVTransferConfig:
     load_timeout: float = 10.0  # a pull not done by then has failed
     load_failure_policy: str = "recompute"
     rank: int = 0  # the tensor-parallel rank whose KV shard this worker half serves
+    # The hand-off secrets (keyring.py); None: $BATON_KV_SECRET, else the user's own file.
+    secret_file: str | None = None
     # New at every engine start, so that a reader never mistakes a restarted engine's memory
     # for the one it was told about.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -200,6 +202,9 @@ class ConnectorRequest(Protocol):
 
     @property
     def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
 
     @property
     def kv_transfer_params(self) -> KVTransferParams | None: ...

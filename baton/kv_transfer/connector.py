@@ -23,6 +23,7 @@ from baton.kv_transfer.base import (
     LoadSpec,
     TransferResult,
 )
+from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.params import KVTransferParams, RemotePrefill, cdiv, layout_mismatch
 
 if TYPE_CHECKING:
@@ -36,19 +37,19 @@ _LOADER_THREADS = 4
 _RELEASE_TIMEOUT_S = 2.0
 
 
-def make_transport(config: KVTransferConfig) -> KVTransport:
+def make_transport(config: KVTransferConfig, keys: KeyRing) -> KVTransport:
     """The transport the config names. NIXL falls back to TCP, with a warning, when the `nixl`
     package cannot be imported."""
     if config.transport == "nixl":
         try:
             from baton.kv_transfer.nixl.transport import NixlTransport
 
-            return NixlTransport(config)
+            return NixlTransport(config, keys)
         except ImportError as exc:
             logger.warning("NIXL is not available (%s); using the TCP transport", exc)
     from baton.kv_transfer.tcp.transport import TCPTransport
 
-    return TCPTransport(config)
+    return TCPTransport(config, keys)
 
 
 class PullConnector(KVConnectorBase):
@@ -63,6 +64,8 @@ class PullConnector(KVConnectorBase):
     ) -> None:
         super().__init__(config, role)
         self.block_size = block_size
+        # Signs the leases this engine hands out; its transport authenticates peers with it.
+        self.keys = KeyRing.load(config.secret_file)
         # Where each rank's shard is served: the scheduler half is told by the worker half, whose
         # transports pick the ports when they start (`register_kv_cache`).
         self.ports: list[int] = ports or [config.port]
@@ -141,18 +144,17 @@ class PullConnector(KVConnectorBase):
             return None
         expires_at = time.time() + self.config.lease_seconds
         self._meta.leases.append(LeaseSpec(request.request_id, lease_ids, expires_at))
-        return KVTransferParams.lease(
-            RemotePrefill(
-                engine_id=self.config.engine_id,
-                host=self.config.public_host,
-                port=self.ports[0],
-                request_id=request.request_id,
-                block_ids=lease_ids,
-                num_prompt_tokens=num_prompt,
-                lease_expires_at=expires_at,
-                ports=tuple(self.ports),
-            )
+        remote = RemotePrefill(
+            engine_id=self.config.engine_id,
+            host=self.config.public_host,
+            port=self.ports[0],
+            request_id=request.request_id,
+            block_ids=lease_ids,
+            num_prompt_tokens=num_prompt,
+            lease_expires_at=expires_at,
+            ports=tuple(self.ports),
         )
+        return KVTransferParams.lease(remote.signed(self.keys, request.prompt_token_ids))
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta, self._meta = self._meta, KVConnectorMetadata()
@@ -165,7 +167,7 @@ class PullConnector(KVConnectorBase):
         return self.transport.name if self.transport is not None else "none"
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.transport = make_transport(self.config)
+        self.transport = make_transport(self.config, self.keys)
         self.ports = [self.transport.start(kv_cache)]
         self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
         logger.info(

@@ -38,6 +38,7 @@ class Status(enum.IntEnum):
     BAD_BLOCKS = 4  # asked ids are not among the leased ones, or out of range
     BLOCK_SIZE_MISMATCH = 5  # the two caches' blocks have different byte sizes
     BAD_REQUEST = 6  # malformed request
+    UNAUTHORIZED = 7  # the peer did not prove the hand-off key (keyring.py)
 
 
 def status_name(status: int) -> str:

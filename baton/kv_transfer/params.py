@@ -4,7 +4,9 @@ as msgspec structs; written back as JSON in a prefill engine's answer. Torch-fre
 server, the router and the operator can import it.
 
 The JSON keys are vLLM's (`do_remote_decode`, `remote_engine_id`, ...): a vLLM client or proxy
-speaks to Baton's engines unchanged. They are named here (`_JSON`) and nowhere else.
+speaks to Baton's engines unchanged. They are named here (`_JSON`) and nowhere else. Baton adds
+three: the prompt's hash, and the key id and signature under which the prefill engine issued
+the lease (``keyring.py``); a decode engine takes no lease without them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from baton.kv_transfer.keyring import KeyRing, prompt_hash
 from baton.roles import Role
 
 FAILURE_POLICIES = ("recompute", "fail")
@@ -39,6 +42,9 @@ class _JSON(msgspec.Struct, omit_defaults=True):
     remote_block_ids: list[_BlockId] | None = None
     num_prompt_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] | None = None
     lease_expires_at: float | None = None  # Unix time, seconds
+    prompt_hash: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    key_id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    signature: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -58,6 +64,9 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     lease_expires_at: float  # Unix time, seconds
     # One per tensor-parallel rank of the prefill engine: rank r's shard is served on ports[r].
     ports: tuple[int, ...] = ()
+    prompt_hash: str = ""  # keyring.prompt_hash of the prompt's token ids
+    key_id: str = ""  # the key that signed it; readers authenticate to the KV server with it
+    signature: str = ""
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -66,6 +75,49 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     def for_rank(self, rank: int) -> RemotePrefill:
         """Where rank `rank`'s shard lies: the matching rank of the prefill engine."""
         return msgspec.structs.replace(self, port=self.ports[rank]) if self.ports else self
+
+    def _message(self) -> bytes:
+        """What the signature covers: every field a decode engine acts on."""
+        return msgspec.msgpack.encode(
+            [
+                self.engine_id,
+                self.host,
+                self.port,
+                list(self.ports),
+                self.request_id,
+                self.block_ids,
+                self.num_prompt_tokens,
+                self.prompt_hash,
+                self.lease_expires_at,
+            ]
+        )
+
+    def signed(self, keys: KeyRing, prompt_token_ids: list[int]) -> RemotePrefill:
+        """These params for `prompt_token_ids`, signed with the ring's signing key."""
+        out = msgspec.structs.replace(self, prompt_hash=prompt_hash(prompt_token_ids))
+        kid, signature = keys.sign(out._message())
+        return msgspec.structs.replace(out, key_id=kid, signature=signature)
+
+    def unverified(self, keys: KeyRing, prompt_token_ids: list[int]) -> str | None:
+        """Why a decode engine must not act on these params for `prompt_token_ids`, or None."""
+        if not (self.signature and self.key_id):
+            return (
+                "kv_transfer_params are not signed: pass a prefill engine's kv_transfer_params "
+                "on unchanged (key_id and signature are missing)"
+            )
+        if not keys.has(self.key_id):
+            return (
+                f"kv_transfer_params are signed with key {self.key_id!r}, which this engine does "
+                "not hold: another service issued them, or that key was rotated out"
+            )
+        if not keys.verify(self.key_id, self.signature, self._message()):
+            return (
+                "kv_transfer_params do not match their signature: they were changed after the "
+                "prefill engine issued them"
+            )
+        if self.prompt_hash != prompt_hash(prompt_token_ids):
+            return "kv_transfer_params were issued for another prompt than this request's"
+        return None
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -123,6 +175,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             js.remote_ports, js.remote_request_id = list(r.ports or (r.port,)), r.request_id
             js.remote_block_ids, js.num_prompt_tokens = list(r.block_ids), r.num_prompt_tokens
             js.lease_expires_at = r.lease_expires_at
+            js.prompt_hash, js.key_id, js.signature = r.prompt_hash, r.key_id, r.signature
         out: dict[str, Any] = msgspec.to_builtins(js)
         return out
 
@@ -181,6 +234,9 @@ def _remote(js: _JSON) -> RemotePrefill:
         num_prompt_tokens=int(js.num_prompt_tokens or 0),
         lease_expires_at=js.lease_expires_at,
         ports=ports,
+        prompt_hash=js.prompt_hash or "",
+        key_id=js.key_id or "",
+        signature=js.signature or "",
     )
 
 

@@ -2,6 +2,10 @@
 client connections, the threaded server their block servers and side channels run on, and the
 pool of idle reader connections their exchanges run on.
 
+Every connection opens with the server's greeting: a magic and a fresh random nonce, which both
+sides mix into the tags that authenticate each exchange on it (``keyring.py``), so that nothing
+sent on one connection can be replayed on another.
+
 Sockets run in blocking mode with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) rather than Python's
 socket timeouts: a Python timeout turns every recv into poll + non-blocking recv, which halved the
 loopback rate of a 16 MiB read in ``bench/kv_transfer.py``. A kernel timeout bounds each call, not
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -30,6 +35,9 @@ _POOL_MAX_IDLE_S = 10.0
 _POOL_MAX_IDLE_PER_PEER = 4
 
 T = TypeVar("T")
+
+GREETING = struct.Struct("!4s16s")  # magic, the connection's nonce
+GREETING_MAGIC = b"BKVN"
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -150,8 +158,9 @@ class ThreadedServer:
         for _, thread in conns:
             thread.join(timeout=0.5)
 
-    def serve_one(self, conn: socket.socket) -> bool:
-        """Serves one exchange on ``conn``; False when the connection should close."""
+    def serve_one(self, conn: socket.socket, nonce: bytes) -> bool:
+        """Serves one exchange on ``conn``, whose greeting sent ``nonce``; False when the
+        connection should close."""
         raise NotImplementedError
 
     def _accept_loop(self, listener: socket.socket) -> None:
@@ -173,7 +182,9 @@ class ThreadedServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             with conn:
-                while not self._stopping.is_set() and self.serve_one(conn):
+                nonce = secrets.token_bytes(16)
+                conn.sendall(GREETING.pack(GREETING_MAGIC, nonce))
+                while not self._stopping.is_set() and self.serve_one(conn, nonce):
                     pass
         except OSError as exc:  # ConnectionError and timeouts included
             logger.debug("%s connection ended: %s", self._name, exc)
@@ -201,29 +212,30 @@ class KVConnectionPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (host, port) -> idle connections with the time each was put back, most recent last
-        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+        # (host, port) -> idle connections, each with its greeting's nonce and the time it was
+        # put back, most recent last
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, bytes, float]]] = {}
         self.connects = 0  # connections it opened, for tests and benchmarks
 
-    def take(self, host: str, port: int) -> socket.socket | None:
-        """An idle connection to (host, port) that still looks healthy, or None."""
+    def take(self, host: str, port: int) -> tuple[socket.socket, bytes] | None:
+        """An idle connection to (host, port) that still looks healthy, and its nonce; or None."""
         now = time.monotonic()
         while True:
             with self._lock:
                 idle = self._idle.get((host, port))
                 if not idle:
                     return None
-                sock, since = idle.pop()
+                sock, nonce, since = idle.pop()
             if now - since <= _POOL_MAX_IDLE_S and _looks_idle(sock):
-                return sock
+                return sock, nonce
             sock.close()
 
-    def give(self, host: str, port: int, sock: socket.socket) -> None:
+    def give(self, host: str, port: int, sock: socket.socket, nonce: bytes) -> None:
         """Returns a connection after a successful exchange; closes it when the pool is full."""
         with self._lock:
             idle = self._idle.setdefault((host, port), [])
             if len(idle) < _POOL_MAX_IDLE_PER_PEER:
-                idle.append((sock, time.monotonic()))
+                idle.append((sock, nonce, time.monotonic()))
                 return
         sock.close()
 
@@ -232,19 +244,20 @@ class KVConnectionPool:
         host: str,
         port: int,
         deadline: float,
-        run: Callable[[socket.socket], T],
+        run: Callable[[socket.socket, bytes], T],
         *,
         rcvbuf: int | None = None,
     ) -> T | str:
-        """``run(sock)`` on an idle connection to (host, port), else on a new one (see `connect`),
-        which comes back to the pool when ``run`` returns and is closed when it raises. Returns
+        """``run(sock, nonce)`` on an idle connection to (host, port), else on a new one (see
+        `connect`), which comes back to the pool when ``run`` returns and is closed when it
+        raises; ``nonce`` is the connection's (its greeting's). Returns
         what ``run`` returned, else the error: ``connect``'s, or an `ExchangeError`'s message. A
         pooled connection that proves stale (the server closed it while it sat idle) is retried
         once on a new one."""
-        sock = self.take(host, port)
-        if sock is not None:
+        idle = self.take(host, port)
+        if idle is not None:
             try:
-                return self._run(host, port, sock, run)
+                return self._run(host, port, *idle, run)
             except ExchangeError as exc:
                 if not exc.stale:
                     return str(exc)
@@ -254,19 +267,26 @@ class KVConnectionPool:
             return new
         self.connects += 1
         try:
-            return self._run(host, port, new, run)
+            nonce = _greeting(new, host, port, deadline)
+            return self._run(host, port, new, nonce, run)
         except ExchangeError as exc:
+            new.close()
             return str(exc)
 
     def _run(
-        self, host: str, port: int, sock: socket.socket, run: Callable[[socket.socket], T]
+        self,
+        host: str,
+        port: int,
+        sock: socket.socket,
+        nonce: bytes,
+        run: Callable[[socket.socket, bytes], T],
     ) -> T:
         try:
-            result = run(sock)
+            result = run(sock, nonce)
         except BaseException:
             sock.close()
             raise
-        self.give(host, port, sock)
+        self.give(host, port, sock, nonce)
         return result
 
     def close(self) -> None:
@@ -274,7 +294,7 @@ class KVConnectionPool:
         with self._lock:
             idle, self._idle = self._idle, {}
         for conns in idle.values():
-            for sock, _ in conns:
+            for sock, _, _ in conns:
                 sock.close()
 
     def __enter__(self) -> KVConnectionPool:
@@ -282,6 +302,21 @@ class KVConnectionPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _greeting(sock: socket.socket, host: str, port: int, deadline: float) -> bytes:
+    """The nonce of a new connection's greeting; `ExchangeError` when it does not come."""
+    try:
+        head = recv_exact(sock, GREETING.size, deadline)
+    except OSError as exc:
+        code = "DEADLINE" if is_timeout(exc) else "SHORT_READ"
+        raise ExchangeError(f"{code}: no greeting from {host}:{port}: {exc}") from None
+    if head is None:
+        raise ExchangeError(f"SHORT_READ: {host}:{port} closed before its greeting")
+    magic, nonce = GREETING.unpack(head)
+    if magic != GREETING_MAGIC:
+        raise ExchangeError(f"PROTOCOL: {host}:{port} is not a Baton KV server")
+    return bytes(nonce)
 
 
 def _looks_idle(sock: socket.socket) -> bool:

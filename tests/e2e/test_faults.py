@@ -40,6 +40,7 @@ from tests.e2e.conftest import (
     wait_idle,
 )
 from tests.support.kv_peers import BadKVPeer
+from tests.support.kv_wire import resigned
 from tests.support.procs import wait_exit
 
 pytestmark = pytest.mark.slow
@@ -207,7 +208,7 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
     peer = BadKVPeer("stall")
     b, d = prompt_ids(21), prompt_ids(22)
     prefill_step(p0, b)  # a lease the victim will never pull
-    params_d = prefill_step(p0, d) | {"remote_port": peer.port, "remote_ports": [peer.port]}
+    params_d = resigned(prefill_step(p0, d), d, remote_port=peer.port, remote_ports=[peer.port])
     try:
         with ThreadPoolExecutor(2) as pool:
             pull = _timed(pool, decode_step, victim, d, params_d)
@@ -357,7 +358,7 @@ def test_connection_between_engines_cut(fleet: Fleet, mode: str) -> None:
     try:
         start = time.monotonic()
         r = decode_step(
-            d0, prompt, params | {"remote_port": proxy.port, "remote_ports": [proxy.port]}
+            d0, prompt, resigned(params, prompt, remote_port=proxy.port, remote_ports=[proxy.port])
         )
         took = time.monotonic() - start
     finally:

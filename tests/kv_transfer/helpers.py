@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from baton.kv_transfer.base import TransferResult
 from baton.kv_transfer.sockets import KVConnectionPool
 from baton.kv_transfer.tcp.reader import read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
-from baton.kv_transfer.tcp.wire import REQUEST
+from tests.support.kv_wire import Request, greet, lease_at, read_request
 
 # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 SHAPE = (12, 2, 2, 4, 2, 8)
@@ -51,10 +50,7 @@ def read(
     pool: KVConnectionPool | None = None,
 ) -> TransferResult:
     return read_blocks(
-        "127.0.0.1",
-        srv.port,
-        engine,
-        request_id,
+        lease_at(srv.port, engine, request_id),
         remote_ids,
         local,
         local_ids,
@@ -73,8 +69,8 @@ def wait_done(srv: KVBlockServer, timeout: float = 2.0) -> list[str]:
     return []
 
 
-def fake_server(behave: Callable[[socket.socket, list[int]], None]) -> tuple[int, threading.Thread]:
-    """One-connection server that parses the request then runs behave(conn, block_ids)."""
+def fake_server(behave: Callable[[Request], None]) -> tuple[int, threading.Thread]:
+    """One-connection server that greets, parses the request, then runs behave(request)."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
 
@@ -82,10 +78,7 @@ def fake_server(behave: Callable[[socket.socket, list[int]], None]) -> tuple[int
         with listener:
             conn, _ = listener.accept()
             with conn:
-                head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-                _, elen, rlen, n, _ = REQUEST.unpack(head)
-                body = conn.recv(elen + rlen + 4 * n, socket.MSG_WAITALL)
-                behave(conn, list(struct.unpack_from(f"!{n}I", body, elen + rlen)))
+                behave(read_request(conn, greet(conn)))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

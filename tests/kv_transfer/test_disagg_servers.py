@@ -9,6 +9,7 @@ import importlib
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from baton.kv_transfer.keyring import KeyRing, new_secret
+from baton.kv_transfer.params import KVTransferParams
 from tests.support.engine_server import Server, expect_error, start_all, stop_all
 from tests.support.kv_peers import BadKVPeer
+from tests.support.kv_wire import resigned
 from tests.support.procs import engine_core_pid
 
 pytestmark = pytest.mark.slow
@@ -219,7 +223,7 @@ def test_params_of_a_restarted_engine_recompute(
     """An engine id that is not the one now at that address is refused by the prefill side and
     the decode side recomputes: the answer is still right, and the failure is counted."""
     prompt = list(range(200, 230))
-    params = _prefill_step(prefill, prompt) | {"remote_engine_id": "0" * 32}
+    params = resigned(_prefill_step(prefill, prompt), prompt, remote_engine_id="0" * 32)
     assert _tokens(_complete(decode, prompt, kv_transfer_params=params)) == _tokens(
         _complete(single, prompt)
     )
@@ -240,7 +244,9 @@ def test_bad_peers_are_detected_and_recomputed(
         r = _complete(
             decode,
             prompt,
-            kv_transfer_params=params | {"remote_port": peer.port, "remote_ports": [peer.port]},
+            kv_transfer_params=resigned(
+                params, prompt, remote_port=peer.port, remote_ports=[peer.port]
+            ),
         )
         assert time.monotonic() - start < 6
         assert _tokens(r) == _tokens(_complete(single, prompt))
@@ -300,3 +306,35 @@ def test_a_reused_client_request_id_cannot_corrupt_a_live_hand_off(
         assert _tokens(r) == tokens
         assert r.json()["id"] == "cmpl-reused"
     assert _tokens(_complete(prefill, prompts[0])) == want[0]  # its prefix cache is sound
+
+
+def test_forged_params_reach_no_address_and_are_a_400(prefill: Server, decode: Server) -> None:
+    """Params a client made up (unsigned, signed under another key, or a prefill engine's
+    params changed to point elsewhere or used for another prompt) are a 400 naming why, and the
+    decode engine connects to nothing they name."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    prompt = list(range(300, 340))
+    params = _prefill_step(prefill, prompt)
+    other = KeyRing(new_secret(), "another service's key")
+    theirs = KVTransferParams.parse(params)
+    assert theirs is not None and theirs.remote is not None
+    cases = {
+        "not signed": {k: v for k, v in params.items() if k not in ("signature", "key_id")}
+        | {"remote_port": port, "remote_ports": [port]},
+        "does not hold": KVTransferParams.lease(theirs.remote.signed(other, prompt)).to_json(),
+        "changed after": params | {"remote_port": port, "remote_ports": [port]},
+        "another prompt": params,
+    }
+    try:
+        for why, forged in cases.items():
+            asked = prompt if why != "another prompt" else [p + 1 for p in prompt]
+            error = expect_error(_complete(decode, asked, kv_transfer_params=forged), 400)
+            assert error["param"] == "kv_transfer_params" and why in error["message"], why
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    # The real params still work once the forgeries are refused (the lease was never touched).
+    assert _tokens(_complete(decode, prompt, kv_transfer_params=params))

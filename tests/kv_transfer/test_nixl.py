@@ -11,14 +11,19 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
+from baton.kv_transfer.keyring import KeyRing, new_secret
 from baton.kv_transfer.leases import Status
 from baton.kv_transfer.nixl import channel as nixl_channel
 from baton.kv_transfer.params import RemotePrefill
 from tests.kv_transfer.helpers import as_bytes, make_cache
+from tests.support.kv_wire import KEYS, side_call
+
+KID = KEYS.signing_key_id
 
 nixl = pytest.importorskip(
     "baton.kv_transfer.nixl.transport",
@@ -29,7 +34,7 @@ NixlTransport = nixl.NixlTransport
 
 
 def _transport(cache: torch.Tensor, port: int = 0) -> Any:
-    t = NixlTransport(KVTransferConfig(role="both", transport="nixl", port=port))
+    t = NixlTransport(KVTransferConfig(role="both", transport="nixl", port=port), KEYS)
     t.port = t.start(cache)
     return t
 
@@ -47,7 +52,9 @@ def pair() -> Iterator[tuple[Any, Any, torch.Tensor, torch.Tensor]]:
 def _remote(server: Any, request_id: str, ids: list[int], engine: str | None = None) -> Any:
     engine = engine or server.config.engine_id
     expires = time.time() + 30
-    return RemotePrefill(engine, "127.0.0.1", server.port, request_id, ids, len(ids) * 4, expires)
+    return RemotePrefill(
+        engine, "127.0.0.1", server.port, request_id, ids, len(ids) * 4, expires, key_id=KID
+    )
 
 
 def _read(
@@ -182,27 +189,18 @@ def test_bad_blocks_are_refused(pair: Any) -> None:
     assert not local.any()
 
 
-def _side_call(port: int, message: Any) -> Any:
-    with socket.create_connection(("127.0.0.1", port), timeout=2) as sock:
-        nixl_channel.send_message(sock, message)
-        if isinstance(message, nixl_channel.Done):
-            time.sleep(0.1)
-            return None
-        return nixl_channel.reply_decoder.decode(nixl_channel.recv_frame(sock))
-
-
 def test_a_lease_under_a_read_is_not_expired_until_done(pair: Any) -> None:
     """Between a reader's Lookup and its Done the lease outlives its time; Done claims it."""
     server, _, _, _ = pair
     engine = server.config.engine_id
     server.lease("r", [1], time.time() + 1.0)
-    reply = _side_call(
+    reply = side_call(
         server.port, nixl_channel.Lookup(engine, "r", [1], server._hello.block_bytes, 5.0)
     )
     assert reply.status == Status.OK and len(reply.crcs) == 1
     time.sleep(1.2)
     assert server.finished_leases(time.time()) == ([], [])
-    _side_call(server.port, nixl_channel.Done(engine, "r"))
+    side_call(server.port, nixl_channel.Done(engine, "r"))
     assert _finished(server) == (["r"], [])
 
 
@@ -224,7 +222,7 @@ def test_stalled_side_channel_fails_at_the_deadline() -> None:
     threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
     reader = _transport(torch.zeros_like(make_cache()))
     try:
-        remote = RemotePrefill("e", "127.0.0.1", port, "r", [1], 4, time.time() + 30)
+        remote = RemotePrefill("e", "127.0.0.1", port, "r", [1], 4, time.time() + 30, key_id=KID)
         start = time.monotonic()
         result = _read(reader, remote, [1], seconds=0.5)
         assert not result.ok and result.reason == "DEADLINE"
@@ -240,7 +238,7 @@ def test_nothing_listening_is_connect_failed() -> None:
     """Params pointing where nobody listens fail fast with CONNECT_FAILED."""
     reader = _transport(torch.zeros_like(make_cache()))
     try:
-        remote = RemotePrefill("e", "127.0.0.1", 9, "r", [1], 4, time.time() + 30)
+        remote = RemotePrefill("e", "127.0.0.1", 9, "r", [1], 4, time.time() + 30, key_id=KID)
         result = _read(reader, remote, [1], seconds=2)
         assert not result.ok and result.reason == "CONNECT_FAILED" and result.seconds < 1
     finally:
@@ -295,7 +293,7 @@ def test_make_transport_picks_nixl() -> None:
     """--kv-transport nixl gives the NIXL transport when the package imports."""
     from baton.kv_transfer.connector import make_transport
 
-    assert make_transport(KVTransferConfig(transport="nixl")).name == "nixl"
+    assert make_transport(KVTransferConfig(transport="nixl"), KEYS).name == "nixl"
 
 
 def _serve_in_child(ports: Any, stop: Any) -> None:
@@ -317,7 +315,10 @@ def test_read_from_another_process() -> None:
     reader = _transport(local)
     try:
         port, engine = ports.get(timeout=60)
-        remote = RemotePrefill(engine, "127.0.0.1", port, "x", [2, 3, 4, 7], 16, time.time() + 30)
+        expires = time.time() + 30
+        remote = RemotePrefill(
+            engine, "127.0.0.1", port, "x", [2, 3, 4, 7], 16, expires, key_id=KID
+        )
         result = _read(reader, remote, [0, 1, 2, 3])
         assert result.ok, result.error
         assert torch.equal(as_bytes(local[:4]), as_bytes(make_cache(seed=5)[[2, 3, 4, 7]]))
@@ -329,3 +330,23 @@ def test_read_from_another_process() -> None:
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+def test_a_reader_without_the_key_gets_no_agent_and_no_blocks(pair: Any) -> None:
+    """A NIXL reader holding another service's key is refused at Hello: it never learns the
+    serving agent's metadata (with which it could READ the registered memory), reads nothing,
+    and the lease waits for the rightful reader."""
+    server, _, _, _ = pair
+    local = torch.zeros_like(make_cache())
+    other = KeyRing(new_secret(), "another service's key")
+    stranger = NixlTransport(KVTransferConfig(role="both", transport="nixl"), other)
+    stranger.start(local)
+    try:
+        server.lease("r", [1, 2], time.time() + 30)
+        remote = msgspec.structs.replace(_remote(server, "r", [1, 2]), key_id=other.signing_key_id)
+        result = _read(stranger, remote, [1, 2])
+        assert not result.ok and result.reason == "UNAUTHORIZED", result.error
+        assert stranger._peers == {} and not local.any()
+        assert server.finished_leases(time.time()) == ([], [])
+    finally:
+        stranger.stop()

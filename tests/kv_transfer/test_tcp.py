@@ -14,9 +14,10 @@ import torch
 
 from baton.kv_transfer.checksum import block_bytes, block_checksum, combine
 from baton.kv_transfer.leases import Status
+from baton.kv_transfer.sockets import GREETING
 from baton.kv_transfer.tcp.reader import read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
-from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, coalesce
+from baton.kv_transfer.tcp.wire import coalesce
 from tests.kv_transfer.helpers import (
     BB,
     ENGINE,
@@ -28,6 +29,7 @@ from tests.kv_transfer.helpers import (
     read,
     wait_done,
 )
+from tests.support.kv_wire import KEYS, Request, lease_at
 
 
 @pytest.mark.parametrize(
@@ -64,7 +66,7 @@ def test_round_trip_byte_exact(
     remote = make_cache(dtype, seed=1)
     local = make_cache(dtype, seed=2)
     before = local.clone()
-    srv = KVBlockServer(remote, ENGINE)
+    srv = KVBlockServer(remote, ENGINE, KEYS)
     srv.start()
     try:
         srv.leases.lease("r1", remote_ids, time.time() + 30)
@@ -81,7 +83,7 @@ def test_round_trip_byte_exact(
 
 
 def _serve_in_child(port_q: mp.Queue, stop: mp.Event, done_q: mp.Queue) -> None:
-    srv = KVBlockServer(make_cache(torch.float16, seed=7), "child-engine")
+    srv = KVBlockServer(make_cache(torch.float16, seed=7), "child-engine", KEYS)
     srv.leases.lease("x", [2, 3, 4, 8], time.time() + 30)
     port_q.put(srv.start())
     stop.wait(20)
@@ -99,7 +101,7 @@ def test_round_trip_across_processes() -> None:
         port = port_q.get(timeout=30)
         local = torch.zeros(SHAPE, dtype=torch.float16)
         result = read_blocks(
-            "127.0.0.1", port, "child-engine", "x", [2, 3, 4, 8], local, [0, 1, 5, 6], deadline()
+            lease_at(port, "child-engine", "x"), [2, 3, 4, 8], local, [0, 1, 5, 6], deadline()
         )
         assert result.ok, result.error
         expected = make_cache(torch.float16, seed=7)
@@ -184,21 +186,18 @@ def test_short_read() -> None:
     """A server that closes after half the payload gives SHORT_READ, not a hang."""
     payload = bytes(range(256)) * (block_bytes(torch.zeros(SHAPE)) * 2 // 256)
 
-    def behave(conn: socket.socket, ids: list[int]) -> None:
-        conn.sendall(
-            REPLY.pack(
-                REPLY_MAGIC,
-                Status.OK,
-                len(payload) // 2,
-                len(payload),
-                combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
-            )
+    def behave(request: Request) -> None:
+        request.reply(
+            Status.OK,
+            len(payload) // 2,
+            len(payload),
+            combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
         )
-        conn.sendall(payload[: len(payload) // 2])
+        request.conn.sendall(payload[: len(payload) // 2])
 
     port, thread = fake_server(behave)
     result = read_blocks(
-        "127.0.0.1", port, ENGINE, "r", [0, 1], torch.zeros(SHAPE), [0, 1], deadline()
+        lease_at(port, ENGINE, "r"), [0, 1], torch.zeros(SHAPE), [0, 1], deadline()
     )
     thread.join(2)
     assert not result.ok and result.error is not None
@@ -211,22 +210,19 @@ def test_corrupted_payload() -> None:
     payload = bytes(range(256)) * (block_bytes(torch.zeros(SHAPE)) // 256)
     got_done: list[bytes] = []
 
-    def behave(conn: socket.socket, ids: list[int]) -> None:
-        conn.sendall(
-            REPLY.pack(
-                REPLY_MAGIC,
-                Status.OK,
-                len(payload),
-                len(payload),
-                combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
-            )
+    def behave(request: Request) -> None:
+        request.reply(
+            Status.OK,
+            len(payload),
+            len(payload),
+            combine([block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]),
         )
-        conn.sendall(payload[:-1] + b"\x00")
-        conn.settimeout(2)
-        got_done.append(conn.recv(1))
+        request.conn.sendall(payload[:-1] + b"\x00")
+        request.conn.settimeout(2)
+        got_done.append(request.conn.recv(1))
 
     port, thread = fake_server(behave)
-    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], deadline())
+    result = read_blocks(lease_at(port, ENGINE, "r"), [0], torch.zeros(SHAPE), [0], deadline())
     thread.join(3)
     assert not result.ok and result.error is not None
     assert result.error.startswith("CHECKSUM_MISMATCH")
@@ -236,10 +232,10 @@ def test_corrupted_payload() -> None:
 def test_silent_server_respects_deadline() -> None:
     """A server that accepts and never answers makes the reader return by its deadline."""
     release = threading.Event()
-    port, thread = fake_server(lambda conn, ids: release.wait(5))
+    port, thread = fake_server(lambda request: release.wait(5))
     start = time.monotonic()
     end = start + 0.3
-    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], end)
+    result = read_blocks(lease_at(port, ENGINE, "r"), [0], torch.zeros(SHAPE), [0], end)
     release.set()
     thread.join(2)
     assert time.monotonic() < end + 0.5
@@ -250,7 +246,7 @@ def test_silent_server_respects_deadline() -> None:
 def test_deadline_already_passed(server: KVBlockServer) -> None:
     """A deadline in the past fails at once without connecting."""
     result = read_blocks(
-        "127.0.0.1", server.port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], time.monotonic() - 1
+        lease_at(server.port, ENGINE, "r"), [0], torch.zeros(SHAPE), [0], time.monotonic() - 1
     )
     assert not result.ok and result.error is not None
     assert result.error.startswith("DEADLINE")
@@ -260,7 +256,7 @@ def test_nothing_listening() -> None:
     """A port with no listener gives CONNECT_FAILED as a result."""
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
-    result = read_blocks("127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], deadline())
+    result = read_blocks(lease_at(port, ENGINE, "r"), [0], torch.zeros(SHAPE), [0], deadline())
     assert not result.ok and result.error is not None
     assert result.error.startswith("CONNECT_FAILED")
 
@@ -294,7 +290,7 @@ def test_lease_rejects_out_of_range(server: KVBlockServer) -> None:
 
 def test_stop_is_prompt_with_open_connections() -> None:
     """stop() returns well within a second even with an idle reader connection open."""
-    srv = KVBlockServer(make_cache(), ENGINE)
+    srv = KVBlockServer(make_cache(), ENGINE, KEYS)
     port = srv.start()
     idle = socket.create_connection(("127.0.0.1", port))
     time.sleep(0.05)
@@ -302,6 +298,7 @@ def test_stop_is_prompt_with_open_connections() -> None:
     srv.stop()
     assert time.monotonic() - start < 1.0
     idle.settimeout(1)
+    assert len(idle.recv(GREETING.size, socket.MSG_WAITALL)) == GREETING.size
     # the server side was closed: an orderly close, or a reset if it was never accepted
     with contextlib.suppress(ConnectionResetError):
         assert idle.recv(1) == b""

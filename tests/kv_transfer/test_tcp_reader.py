@@ -14,7 +14,6 @@ from baton.kv_transfer.leases import Status
 from baton.kv_transfer.sockets import KVConnectionPool
 from baton.kv_transfer.tcp.reader import RECV_CHUNK_BYTES, read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
-from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, REQUEST
 from tests.kv_transfer.helpers import (
     BB,
     ENGINE,
@@ -25,6 +24,7 @@ from tests.kv_transfer.helpers import (
     make_cache,
     read,
 )
+from tests.support.kv_wire import KEYS, Request, greet, lease_at, read_request
 
 # ---------------------------------------------------------------------- connection pool
 
@@ -37,10 +37,7 @@ def test_pool_reuses_one_connection(server: KVBlockServer) -> None:
             server.leases.lease(f"r{i}", [i, i + 1], time.time() + 30)
             local = torch.zeros(SHAPE)
             result = read_blocks(
-                "127.0.0.1",
-                server.port,
-                ENGINE,
-                f"r{i}",
+                lease_at(server.port, ENGINE, f"r{i}"),
                 [i, i + 1],
                 local,
                 [0, 1],
@@ -54,7 +51,7 @@ def test_pool_reuses_one_connection(server: KVBlockServer) -> None:
 
 def test_pool_drops_broken_connection_and_reconnects() -> None:
     """A pooled connection the server closed is dropped; the next read reconnects and succeeds."""
-    srv = KVBlockServer(make_cache(), ENGINE, io_timeout=0.2)  # closes idle connections fast
+    srv = KVBlockServer(make_cache(), ENGINE, KEYS, io_timeout=0.2)  # closes idle connections fast
     srv.start()
     try:
         with KVConnectionPool() as pool:
@@ -85,11 +82,14 @@ def test_pool_reconnects_after_mid_read_failure() -> None:
     """A read that dies mid-payload on a pooled connection fails; the next one reconnects."""
     with KVConnectionPool() as pool:
         payload = bytes(range(256)) * (BB // 256)
-        port, thread = fake_server(
-            lambda conn, ids: conn.sendall(_ok_reply(payload) + payload[: BB // 2])
-        )
+
+        def behave(request: Request) -> None:
+            _ok_reply(request, payload)
+            request.conn.sendall(payload[: BB // 2])
+
+        port, thread = fake_server(behave)
         result = read_blocks(
-            "127.0.0.1", port, ENGINE, "r", [0], torch.zeros(SHAPE), [0], deadline(), pool=pool
+            lease_at(port, ENGINE, "r"), [0], torch.zeros(SHAPE), [0], deadline(), pool=pool
         )
         thread.join(2)
         assert result.error is not None and result.error.startswith("SHORT_READ")
@@ -108,14 +108,14 @@ def test_pool_deadline_on_pooled_connection() -> None:
         with listener:
             conn, _ = listener.accept()
             with conn:
+                nonce = greet(conn)
                 for _ in range(2):
-                    head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-                    _, elen, rlen, n, _ = REQUEST.unpack(head)
-                    conn.recv(elen + rlen + 4 * n, socket.MSG_WAITALL)
+                    request = read_request(conn, nonce)
                     if stall.is_set():
                         time.sleep(2)  # the second read: accepts the request, never answers
                         return
-                    conn.sendall(_ok_reply(payload) + payload)
+                    _ok_reply(request, payload)
+                    conn.sendall(payload)
                     conn.recv(1)
                     stall.set()
 
@@ -123,12 +123,12 @@ def test_pool_deadline_on_pooled_connection() -> None:
     thread.start()
     with KVConnectionPool() as pool:
         first = read_blocks(
-            "127.0.0.1", port, ENGINE, "a", [0], torch.zeros(SHAPE), [0], deadline(), pool=pool
+            lease_at(port, ENGINE, "a"), [0], torch.zeros(SHAPE), [0], deadline(), pool=pool
         )
         assert first.ok, first.error
         end = time.monotonic() + 0.3
         second = read_blocks(
-            "127.0.0.1", port, ENGINE, "b", [0], torch.zeros(SHAPE), [0], end, pool=pool
+            lease_at(port, ENGINE, "b"), [0], torch.zeros(SHAPE), [0], end, pool=pool
         )
         assert time.monotonic() < end + 0.5
         assert second.error is not None and second.error.startswith("DEADLINE")
@@ -139,9 +139,9 @@ def test_pool_deadline_on_pooled_connection() -> None:
 # ---------------------------------------------------------------------- chunked checksum
 
 
-def _ok_reply(payload: bytes) -> bytes:
+def _ok_reply(request: Request, payload: bytes) -> None:
     crcs = [block_checksum(payload[i : i + BB]) for i in range(0, len(payload), BB)]
-    return REPLY.pack(REPLY_MAGIC, Status.OK, BB, len(payload), combine(crcs))
+    request.reply(Status.OK, BB, len(payload), combine(crcs))
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
@@ -150,18 +150,19 @@ def test_corruption_in_first_or_last_chunk(where: str) -> None:
     num_blocks = 2 * (RECV_CHUNK_BYTES // BB) + 3  # two full chunks and a partial third
     shape = (num_blocks, *SHAPE[1:])
     payload = bytearray(as_bytes(make_cache(shape=shape, seed=4)).numpy().tobytes())
-    reply = _ok_reply(bytes(payload))
+    sent = bytes(payload)
     payload[0 if where == "first" else len(payload) - 1] ^= 0xFF
     got_done: list[bytes] = []
 
-    def behave(conn: socket.socket, ids: list[int]) -> None:
-        conn.sendall(reply + bytes(payload))
-        conn.settimeout(2)
-        got_done.append(conn.recv(1))
+    def behave(request: Request) -> None:
+        _ok_reply(request, sent)
+        request.conn.sendall(bytes(payload))
+        request.conn.settimeout(2)
+        got_done.append(request.conn.recv(1))
 
     port, thread = fake_server(behave)
     ids = list(range(num_blocks))
-    result = read_blocks("127.0.0.1", port, ENGINE, "r", ids, torch.zeros(shape), ids, deadline())
+    result = read_blocks(lease_at(port, ENGINE, "r"), ids, torch.zeros(shape), ids, deadline())
     thread.join(3)
     assert not result.ok and result.error is not None
     assert result.error.startswith("CHECKSUM_MISMATCH")
@@ -174,7 +175,7 @@ def test_multi_chunk_read_is_byte_exact(server: KVBlockServer) -> None:
     num_blocks = 3 * (RECV_CHUNK_BYTES // BB) + 5
     shape = (num_blocks, *SHAPE[1:])
     remote = make_cache(shape=shape, seed=5)
-    srv = KVBlockServer(remote, ENGINE)
+    srv = KVBlockServer(remote, ENGINE, KEYS)
     srv.start()
     try:
         remote_ids = list(range(num_blocks))

@@ -1,5 +1,6 @@
 """Fake KV block servers that misbehave, for the decode side's fault handling: one that
-stalls (accepts and never answers), hangs up mid-payload, or sends bytes failing the checksum."""
+stalls (accepts and never answers), hangs up mid-payload, or sends bytes failing the checksum.
+They hold the tests' hand-off key (`kv_wire.KEYS`), so what fails is what each one breaks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import socket
 import threading
 
-from baton.kv_transfer.tcp.wire import REPLY, REPLY_MAGIC, REQUEST
+from tests.support.kv_wire import greet, read_request
 
 MODES = ("stall", "short", "corrupt")
 
@@ -33,11 +34,10 @@ class BadKVPeer:
                 self.conns.append(conn)
                 if self.mode == "stall":
                     continue
-                head = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-                _, elen, rlen, nblocks, bpb = REQUEST.unpack(head)
-                conn.recv(elen + rlen + 4 * nblocks, socket.MSG_WAITALL)
-                total = nblocks * bpb
-                conn.sendall(REPLY.pack(REPLY_MAGIC, 0, bpb, total, 12345))
+                request = read_request(conn, greet(conn))
+                bpb = request.block_bytes
+                total = len(request.ids) * bpb
+                request.reply(0, bpb, total, 12345)
                 conn.sendall(bytes(total if self.mode == "corrupt" else total // 2))
                 if self.mode == "short":
                     conn.close()

@@ -12,6 +12,7 @@ from baton.engine.api.server import ServerConfig, serve
 from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
 from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
+from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, default_secret_file
 from baton.kv_transfer.params import FAILURE_POLICIES
 from baton.roles import ROLES
 
@@ -96,6 +97,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-load-failure-policy", choices=FAILURE_POLICIES, default=k.load_failure_policy
     )
+    parser.add_argument(
+        "--kv-secret-file",
+        default=None,
+        help="the hand-off secrets, one per line: the first signs the kv_transfer_params this "
+        f"engine issues, every one verifies (default: ${SECRET_ENV}, else "
+        f"{default_secret_file()}, made on first use; docs/security.md)",
+    )
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
@@ -116,7 +124,7 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         return None
     host = args.kv_host or args.host
     advertise = args.kv_advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
-    return KVTransferConfig(
+    config = KVTransferConfig(
         role=args.role,
         transport=args.kv_transport or "tcp",
         host=host,
@@ -125,7 +133,10 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         lease_seconds=args.kv_lease_seconds,
         load_timeout=args.kv_load_timeout,
         load_failure_policy=args.kv_load_failure_policy,
+        secret_file=args.kv_secret_file,
     )
+    KeyRing.load(config.secret_file)  # a missing or bad secret stops the start, not a hand-off
+    return config
 
 
 add_args = add_server_args  # the name `baton.cli` looks for

@@ -32,6 +32,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
 from baton.engine.sampling_params import SamplingParams
 from baton.errors import APIError
+from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.params import KVTransferParams
 
 # Prompts of more characters than this are tokenized off the event loop: below it, the hop to a
@@ -67,6 +68,8 @@ class EngineServer:
         kv = llm.args.kv_transfer
         self.role = kv.role if kv is not None else "both"
         self.kv_role = kv.role if kv is not None else None  # None: no KV connector
+        # Checks the signature of every lease a decode request names before the core sees it.
+        self.keys = KeyRing.load(kv.secret_file) if kv is not None else None
         self.metrics = EngineMetrics(
             lambda: llm.stats, self.model_name, engine_label, self.role, llm.kv_transport
         )
@@ -138,9 +141,10 @@ class EngineServer:
         }
 
     def _kv_transfer_params(
-        self, params: dict[str, Any] | None, num_prompts: int, n: int
+        self, params: dict[str, Any] | None, prompts: list[list[int]], n: int
     ) -> KVTransferParams | None:
-        """The request's `kv_transfer_params`, parsed (the one place they are), or a 400."""
+        """The request's `kv_transfer_params`, parsed (the one place they are) and, for a
+        decode request, their signature checked against its prompt; or a 400."""
         try:
             parsed = KVTransferParams.parse(params)
             if parsed is not None:
@@ -148,12 +152,17 @@ class EngineServer:
         except ValueError as e:
             raise APIError(400, str(e), "kv_transfer_params") from None
         handing_off = parsed is not None and (parsed.do_remote_decode or parsed.do_remote_prefill)
-        if handing_off and (num_prompts > 1 or n > 1):
+        if handing_off and (len(prompts) > 1 or n > 1):
             raise APIError(
                 400,
                 "kv_transfer_params hand off one prompt's KV: use one prompt and n=1",
                 "kv_transfer_params",
             )
+        if parsed is not None and parsed.remote is not None:
+            assert self.keys is not None  # check_engine: only an engine with a connector
+            why = parsed.remote.unverified(self.keys, prompts[0])
+            if why is not None:
+                raise APIError(400, why, "kv_transfer_params")
         return parsed
 
     # -- prompts --
@@ -379,7 +388,8 @@ class EngineServer:
     ) -> tuple[list[PromptStream], Callable[[], None]]:
         """Admits the request and starts one engine request per prompt; the call returned ends
         the admission's tracking."""
-        kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
+        prompts = [ids for (_, ids), _ in inputs]
+        kv_params = self._kv_transfer_params(req.kv_transfer_params, prompts, req.n)
         release = self._admit()
         streams = [
             PromptStream(self.llm, self.metrics, rid, prompt, params, req.priority, kv_params)

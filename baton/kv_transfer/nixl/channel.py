@@ -1,6 +1,11 @@
 """The NIXL transport's side channel: length-prefixed msgpack messages between a reader and a
 serving engine, the reader's requests over pooled connections, and block-region helpers. Nothing
 here needs the ``nixl`` package.
+
+Every message travels in an `Envelope` with its tag under a hand-off key (``keyring.py``): the
+reader's over the connection's nonce and the message, the server's over the reader's tag and
+the reply. A server answers nothing but UNAUTHORIZED to a peer without the key, so the agent
+metadata (which lets a peer READ the registered memory) goes only to holders of the key.
 """
 
 from __future__ import annotations
@@ -9,9 +14,12 @@ import logging
 import socket
 import struct
 import time
+from dataclasses import dataclass
 
 import msgspec
 
+from baton.kv_transfer.keyring import KeyRing
+from baton.kv_transfer.leases import Status
 from baton.kv_transfer.sockets import (
     ExchangeError,
     KVConnectionPool,
@@ -70,14 +78,23 @@ class Reply(msgspec.Struct, frozen=True):
     crcs: list[int] = []
 
 
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """A message or reply (``body``, encoded) with its tag under key ``key_id``."""
+
+    key_id: str
+    tag: bytes
+    body: bytes
+
+
 Message = Hello | Lookup | Done | Release
 encoder = msgspec.msgpack.Encoder()
+envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 message_decoder = msgspec.msgpack.Decoder(Message)
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def send_message(sock: socket.socket, message: Message | Reply) -> None:
-    payload = encoder.encode(message)
+def send_envelope(sock: socket.socket, envelope: Envelope) -> None:
+    payload = encoder.encode(envelope)
     sock.sendall(_FRAME.pack(len(payload)) + payload)
 
 
@@ -98,20 +115,47 @@ def recv_frame(sock: socket.socket) -> bytes | None:
 # ---- the reader's requests ---------------------------------------------------------------------
 
 
-def call(
-    pool: KVConnectionPool, host: str, port: int, message: Message, deadline: float
-) -> Reply | str:
-    """One request and its reply over ``pool``; never raises: a failure comes back as
-    ``"<CODE>: detail"``."""
+@dataclass(frozen=True)
+class Channel:
+    """A serving engine's side channel as a reader addresses it, and the key it proves itself
+    with (the one that signed the lease's params)."""
 
-    def run(sock: socket.socket) -> Reply:
+    pool: KVConnectionPool
+    host: str
+    port: int
+    keys: KeyRing
+    key_id: str
+
+    def seal(self, message: Message, nonce: bytes) -> Envelope:
+        body = encoder.encode(message)
+        tag = self.keys.tag(self.key_id, nonce, body)
+        if tag is None:
+            raise ExchangeError(f"UNAUTHORIZED: this engine does not hold key {self.key_id!r}")
+        return Envelope(self.key_id, tag, body)
+
+
+def call(peer: Channel, message: Message, deadline: float) -> Reply | str:
+    """One request and its reply over the peer's pool; never raises: a failure comes back as
+    ``"<CODE>: detail"``."""
+    host, port = peer.host, peer.port
+
+    def run(sock: socket.socket, nonce: bytes) -> Reply:
         try:
             arm(sock, deadline)
-            send_message(sock, message)
+            sent = peer.seal(message, nonce)
+            send_envelope(sock, sent)
             payload = recv_frame(sock)
             if payload is None:
                 raise ConnectionError("connection closed before the reply")
-            return reply_decoder.decode(payload)
+            got = envelope_decoder.decode(payload)
+            reply = reply_decoder.decode(got.body)
+            # Only an OK needs proof: a refusal, forged or not, ends in a recompute.
+            if reply.status == Status.OK and not peer.keys.check(
+                peer.key_id, got.tag, nonce, sent.tag, got.body
+            ):
+                error = f"UNAUTHENTICATED: {host}:{port} did not prove the hand-off key"
+                raise ExchangeError(error)
+            return reply
         except msgspec.DecodeError as exc:
             raise ExchangeError(f"PROTOCOL: bad reply from {host}:{port}: {exc}") from None
         except OSError as exc:
@@ -120,21 +164,21 @@ def call(
             error = f"SHORT_READ: side channel to {host}:{port}: {exc}"
             raise ExchangeError(error, stale=True) from None
 
-    return pool.exchange(host, port, deadline, run)
+    return peer.pool.exchange(host, port, deadline, run)
 
 
-def notify(pool: KVConnectionPool, host: str, port: int, message: Done, deadline: float) -> None:
-    """Sends a one-way message over ``pool``; a lost Done leaves the lease to expire, as with
-    TCP."""
+def notify(peer: Channel, message: Done, deadline: float) -> None:
+    """Sends a one-way message over the peer's pool; a lost Done leaves the lease to expire, as
+    with TCP."""
 
-    def run(sock: socket.socket) -> None:
+    def run(sock: socket.socket, nonce: bytes) -> None:
         try:
             arm(sock, max(deadline, time.monotonic() + _NOTIFY_MIN_TIMEOUT_S))
-            send_message(sock, message)
+            send_envelope(sock, peer.seal(message, nonce))
         except OSError as exc:
             raise ExchangeError(str(exc)) from None
 
-    error = pool.exchange(host, port, deadline, run)
+    error = peer.pool.exchange(peer.host, peer.port, deadline, run)
     if error is not None:
         logger.debug("sending %s: %s", message, error)
 

@@ -1,5 +1,6 @@
 """The NIXL transport's serving side: the side channel that answers readers' Hello, Lookup, Done
-and Release for this engine's leases, and the agent's progress while a read holds a lease."""
+and Release for this engine's leases, to readers that prove the hand-off key (``channel.py``),
+and the agent's progress while a read holds a lease."""
 
 from __future__ import annotations
 
@@ -11,16 +12,20 @@ from typing import Any
 
 import msgspec
 
+from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.leases import LeaseTable, Status
 from baton.kv_transfer.nixl.channel import (
     Done,
+    Envelope,
     Hello,
     Message,
     Release,
     Reply,
+    encoder,
+    envelope_decoder,
     message_decoder,
     recv_frame,
-    send_message,
+    send_envelope,
 )
 from baton.kv_transfer.sockets import ThreadedServer
 
@@ -39,8 +44,10 @@ class SideChannelServer(ThreadedServer):
         leases: LeaseTable,
         hello: Reply,
         agent: Any,
+        keys: KeyRing,
     ) -> None:
         super().__init__(host, port, name="kv-nixl-accept")
+        self._keys = keys
         self._leases = leases
         self._hello = hello
         self._agent = agent
@@ -70,19 +77,33 @@ class SideChannelServer(ThreadedServer):
                 self._agent.get_new_notifs()
             time.sleep(_PROGRESS_POLL_S)
 
-    def serve_one(self, conn: socket.socket) -> bool:
+    def serve_one(self, conn: socket.socket, nonce: bytes) -> bool:
         payload = recv_frame(conn)
         if payload is None:
             return False
         try:
-            message = message_decoder.decode(payload)
+            got = envelope_decoder.decode(payload)
         except msgspec.DecodeError:
-            send_message(conn, Reply(Status.BAD_REQUEST, self._hello.engine_id))
+            self._refuse(conn, Status.BAD_REQUEST)
+            return False
+        if not self._keys.check(got.key_id, got.tag, nonce, got.body):
+            self._refuse(conn, Status.UNAUTHORIZED)
+            return False
+        try:
+            message = message_decoder.decode(got.body)
+        except msgspec.DecodeError:
+            self._refuse(conn, Status.BAD_REQUEST)
             return False
         reply = self._handle(message)
         if reply is not None:
-            send_message(conn, reply)
+            body = encoder.encode(reply)
+            tag = self._keys.tag(got.key_id, nonce, got.tag, body) or b""
+            send_envelope(conn, Envelope(got.key_id, tag, body))
         return True
+
+    def _refuse(self, conn: socket.socket, status: Status) -> None:
+        """A refusal, untagged, to a peer that proved nothing: not even this engine's id."""
+        send_envelope(conn, Envelope("", b"", encoder.encode(Reply(status))))
 
     def _handle(self, message: Message) -> Reply | None:
         own = self._hello.engine_id

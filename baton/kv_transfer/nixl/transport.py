@@ -18,8 +18,10 @@ import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
 from baton.kv_transfer.checksum import block_bytes, block_crcs
+from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.leases import LeaseTable, Status, status_name
 from baton.kv_transfer.nixl.channel import (
+    Channel,
     Done,
     Hello,
     Lookup,
@@ -78,8 +80,9 @@ class NixlTransport:
 
     name = "nixl"
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, keys: KeyRing) -> None:
         self.config = config
+        self.keys = keys
         self._agent: Any = None
         self._reg: Any = None
         self._kv: torch.Tensor | None = None
@@ -125,7 +128,7 @@ class NixlTransport:
             device_id=device_id,
         )
         self._server = SideChannelServer(
-            self.config.host, self.config.port, self._leases, self._hello, self._agent
+            self.config.host, self.config.port, self._leases, self._hello, self._agent, self.keys
         )
         return self._server.start()
 
@@ -177,7 +180,7 @@ class NixlTransport:
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
         message = Release(remote.engine_id, remote.request_id)
-        reply = call(self._pool, remote.host, remote.port, message, deadline)
+        reply = call(self._channel(remote), message, deadline)
         if isinstance(reply, str) or reply.status != Status.OK:
             logger.debug("releasing remote lease %s: %s", remote.request_id, reply)
 
@@ -201,7 +204,7 @@ class NixlTransport:
             return f"BAD_BLOCKS: remote ids out of range [0, {num_remote}) for {where}", 0
         hold = deadline - time.monotonic()
         lookup = Lookup(remote.engine_id, remote.request_id, list(remote_ids), bpb, hold)
-        reply = call(self._pool, remote.host, remote.port, lookup, deadline)
+        reply = call(self._channel(remote), lookup, deadline)
         if isinstance(reply, str):
             return reply, 0
         if reply.status != Status.OK:
@@ -224,7 +227,7 @@ class NixlTransport:
                 num_bytes,
             )
         done = Done(remote.engine_id, remote.request_id)
-        notify(self._pool, remote.host, remote.port, done, deadline)
+        notify(self._channel(remote), done, deadline)
         return None, num_bytes
 
     def _transfer_and_checksum(
@@ -317,11 +320,13 @@ class NixlTransport:
             peer = self._peers.get(key)
         if peer is not None and peer.hello.engine_id == remote.engine_id:
             return peer
-        reply = call(self._pool, remote.host, remote.port, Hello(remote.engine_id), deadline)
+        reply = call(self._channel(remote), Hello(remote.engine_id), deadline)
         if isinstance(reply, str):
             return reply
         if peer is not None and peer.hello.engine_id != reply.engine_id:
             self._forget(peer)  # that engine restarted: its agent and memory are gone
+        if reply.status == Status.UNAUTHORIZED:
+            return f"UNAUTHORIZED: {remote.host}:{remote.port} refused key {remote.key_id!r}"
         if reply.status != Status.OK:
             return f"{status_name(reply.status)}: {remote.host}:{remote.port} is engine " + (
                 f"{reply.engine_id!r}, not {remote.engine_id!r}"
@@ -336,6 +341,9 @@ class NixlTransport:
         with self._lock:
             self._peers[key] = peer
         return peer
+
+    def _channel(self, remote: RemotePrefill) -> Channel:
+        return Channel(self._pool, remote.host, remote.port, self.keys, remote.key_id)
 
     def _forget(self, peer: _Peer) -> None:
         """Drops ``peer``'s agent, unless another thread already replaced or dropped it."""

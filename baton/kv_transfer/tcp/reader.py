@@ -17,6 +17,7 @@ import torch
 
 from baton.kv_transfer.base import TransferResult
 from baton.kv_transfer.checksum import block_bytes, block_checksum, byte_view, combine
+from baton.kv_transfer.keyring import TAG_BYTES, KeyRing
 from baton.kv_transfer.leases import Status, status_name
 from baton.kv_transfer.sockets import ExchangeError, KVConnectionPool, arm, is_timeout, recv_exact
 from baton.kv_transfer.tcp.wire import DONE, REPLY, REPLY_MAGIC, coalesce, pack_request
@@ -31,11 +32,20 @@ RECV_CHUNK_BYTES = 512 << 10
 _READER_RCVBUF = 4 << 20
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A remote lease as a reader addresses it, and the key it proves itself with."""
+
+    host: str
+    port: int
+    engine_id: str
+    request_id: str
+    keys: KeyRing
+    key_id: str  # the key that signed the lease's params
+
+
 def read_blocks(
-    host: str,
-    port: int,
-    engine_id: str,
-    request_id: str,
+    lease: Lease,
     remote_block_ids: list[int],
     kv_cache: torch.Tensor,
     local_block_ids: list[int],
@@ -44,7 +54,7 @@ def read_blocks(
     pool: KVConnectionPool | None = None,
     req_id: str | None = None,
 ) -> TransferResult:
-    """Pulls remote blocks into ``kv_cache[local_block_ids]`` (the decode side).
+    """Pulls remote blocks of ``lease`` into ``kv_cache[local_block_ids]`` (the decode side).
 
     ``deadline`` is a ``time.monotonic()`` value; no step blocks past it. On failure the local
     blocks' contents are unspecified (bytes land in place as they arrive) and the caller recomputes.
@@ -55,7 +65,7 @@ def read_blocks(
     id (the remote ``request_id`` when not given).
     """
     start = time.monotonic()
-    result_id = request_id if req_id is None else req_id
+    result_id = lease.request_id if req_id is None else req_id
 
     def result(error: str | None, num_bytes: int = 0) -> TransferResult:
         return TransferResult(result_id, error is None, error, num_bytes, time.monotonic() - start)
@@ -72,26 +82,48 @@ def read_blocks(
     if any(not 0 <= b < num_blocks for b in local_block_ids):
         return result(f"BAD_ARGUMENT: local block ids out of range [0, {num_blocks})")
     bpb = block_bytes(kv_cache)
-    request = pack_request(engine_id, request_id, remote_block_ids, bpb)
-    where = f"request {request_id!r} at {host}:{port}"
-    read = _Read(request, view, bpb, local_block_ids, where, deadline)
+    where = f"request {lease.request_id!r} at {lease.host}:{lease.port}"
+    read = _Read(lease, remote_block_ids, view, bpb, local_block_ids, where, deadline)
     use = pool or KVConnectionPool()  # without a pool, the connection is closed after the read
-    error = use.exchange(host, port, deadline, read.run, rcvbuf=_READER_RCVBUF)
+    error = use.exchange(lease.host, lease.port, deadline, read.run, rcvbuf=_READER_RCVBUF)
     if pool is None:
         use.close()
     return result(error, read.received)
 
 
-def _request(sock: socket.socket, request: bytes, deadline: float) -> tuple[int, int, int, int]:
-    """Sends ``request``; the reply header's (status, server block_bytes, total bytes, checksum)."""
+def _request(
+    sock: socket.socket,
+    nonce: bytes,
+    lease: Lease,
+    block_ids: list[int],
+    block_bytes: int,
+    deadline: float,
+) -> tuple[int, int, int, int]:
+    """Sends a request for ``block_ids`` of ``lease`` (a release when there are none), tagged
+    for this connection; the reply header's (status, server block_bytes, total bytes,
+    checksum). An OK whose tag does not prove the key is an `ExchangeError`."""
+    head, body = pack_request(
+        lease.key_id, lease.engine_id, lease.request_id, block_ids, block_bytes
+    )
+    tag = lease.keys.tag(lease.key_id, nonce, head, body)
+    if tag is None:
+        raise ExchangeError(f"UNAUTHORIZED: this engine does not hold key {lease.key_id!r}")
     arm(sock, deadline)
-    sock.sendall(request)
-    head = recv_exact(sock, REPLY.size, deadline)
-    if head is None:
+    sock.sendall(head + body + tag)
+    reply = recv_exact(sock, REPLY.size + TAG_BYTES, deadline)
+    if reply is None:
         raise ConnectionError("connection closed before the reply")
-    magic, status, server_bb, total, checksum = REPLY.unpack(head)
+    reply_head, reply_tag = reply[: REPLY.size], reply[REPLY.size :]
+    magic, status, server_bb, total, checksum = REPLY.unpack(reply_head)
     if magic != REPLY_MAGIC:
         raise ExchangeError("PROTOCOL: bad reply magic")
+    # Only an OK needs proof: a refusal, forged or not, ends in a recompute.
+    if status == Status.OK and not lease.keys.check(
+        lease.key_id, reply_tag, nonce, tag, reply_head
+    ):
+        raise ExchangeError(
+            f"UNAUTHENTICATED: {lease.host}:{lease.port} did not prove the hand-off key"
+        )
     return status, server_bb, total, checksum
 
 
@@ -99,7 +131,8 @@ def _request(sock: socket.socket, request: bytes, deadline: float) -> tuple[int,
 class _Read:
     """One read's exchange; ``run`` raises `ExchangeError` when it fails."""
 
-    request: bytes  # pack_request's
+    lease: Lease
+    remote_ids: list[int]
     view: memoryview  # the local KV cache's bytes
     bpb: int
     local_ids: list[int]
@@ -107,12 +140,14 @@ class _Read:
     deadline: float
     received: int = 0  # payload bytes received
 
-    def run(self, sock: socket.socket) -> None:
+    def run(self, sock: socket.socket, nonce: bytes) -> None:
         self.received = 0  # a retry on a new connection starts over
         expected = len(self.local_ids) * self.bpb
         got_reply = False
         try:
-            status, server_bb, total, checksum = _request(sock, self.request, self.deadline)
+            status, server_bb, total, checksum = _request(
+                sock, nonce, self.lease, self.remote_ids, self.bpb, self.deadline
+            )
             got_reply = True
             if status != Status.OK:
                 detail = f" (server {server_bb}, local {self.bpb})" if server_bb != self.bpb else ""
@@ -160,27 +195,21 @@ class _Read:
         return crcs
 
 
-def release_lease(
-    host: str,
-    port: int,
-    engine_id: str,
-    request_id: str,
-    deadline: float,
-    *,
-    pool: KVConnectionPool,
-) -> str | None:
-    """Tells a block server that its lease under request_id will not be read, so it frees the
-    blocks now rather than at expiry. Returns None on success, else the error; never raises."""
+def release_lease(lease: Lease, deadline: float, *, pool: KVConnectionPool) -> str | None:
+    """Tells a block server that ``lease`` will not be read, so it frees the blocks now rather
+    than at expiry. Returns None on success, else the error; never raises."""
 
-    def run(sock: socket.socket) -> int:
+    def run(sock: socket.socket, nonce: bytes) -> int:
         try:
-            return _request(sock, pack_request(engine_id, request_id, [], 0), deadline)[0]
+            return _request(sock, nonce, lease, [], 0, deadline)[0]
         except OSError as exc:
             code = "SHORT_READ" if isinstance(exc, ConnectionError) else "IO_ERROR"
             raise ExchangeError(f"{'DEADLINE' if is_timeout(exc) else code}: {exc}") from None
 
     # The same options as a read's connection: the pool may hand it to a read next.
-    status = pool.exchange(host, port, deadline, run, rcvbuf=_READER_RCVBUF)
+    status = pool.exchange(lease.host, lease.port, deadline, run, rcvbuf=_READER_RCVBUF)
     if isinstance(status, str):
         return status
-    return None if status == Status.OK else f"{status_name(status)}: release of {request_id!r}"
+    if status == Status.OK:
+        return None
+    return f"{status_name(status)}: release of {lease.request_id!r}"

@@ -1,5 +1,6 @@
 """The TCP transport's block server (the prefill side): serves leased blocks of this engine's KV
-cache straight from tensor memory, one read or release at a time per connection (``wire.py``)."""
+cache straight from tensor memory, one read or release at a time per connection (``wire.py``),
+to readers that prove the hand-off key."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import struct
 import torch
 
 from baton.kv_transfer.checksum import byte_view, combine
+from baton.kv_transfer.keyring import TAG_BYTES, KeyRing
 from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
 from baton.kv_transfer.sockets import ThreadedServer, recv_exact
 from baton.kv_transfer.tcp.wire import (
@@ -34,12 +36,14 @@ class KVBlockServer(ThreadedServer):
         self,
         kv_cache: torch.Tensor,
         engine_id: str,
+        keys: KeyRing,
         host: str = "127.0.0.1",
         port: int = 0,
         *,
         io_timeout: float = 30.0,
     ) -> None:
         self._view = byte_view(kv_cache)
+        self._keys = keys
         self.leases = LeaseTable(kv_cache, engine_id)
         super().__init__(host, port, io_timeout=io_timeout, name="kv-server")
 
@@ -49,22 +53,29 @@ class KVBlockServer(ThreadedServer):
 
     # ------------------------------------------------------------------ per connection
 
-    def serve_one(self, conn: socket.socket) -> bool:
+    def serve_one(self, conn: socket.socket, nonce: bytes) -> bool:
         head = recv_exact(conn, REQUEST.size)
         if head is None:
             return False
-        magic, engine_len, request_len, num_blocks, client_block_bytes = REQUEST.unpack(head)
+        magic, engine_len, request_len, num_blocks, client_block_bytes, kid_b = REQUEST.unpack(head)
         if magic != REQUEST_MAGIC or num_blocks > MAX_BLOCKS_PER_READ:
             self._reply(conn, Status.BAD_REQUEST)
             return False
-        body = recv_exact(conn, engine_len + request_len + 4 * num_blocks)
+        body = recv_exact(conn, engine_len + request_len + 4 * num_blocks + TAG_BYTES)
         if body is None:
+            return False
+        body, tag = body[:-TAG_BYTES], body[-TAG_BYTES:]
+        kid = kid_b.rstrip(b"\0").decode("ascii", "replace")
+        if not self._keys.check(kid, tag, nonce, head, body):
+            # Nothing about the leases goes to a peer without the key, not even a status.
+            self._reply(conn, Status.UNAUTHORIZED)
             return False
         engine_id = body[:engine_len].decode("utf-8", "replace")
         request_id = body[engine_len : engine_len + request_len].decode("utf-8", "replace")
         ids = list(struct.unpack_from(f"!{num_blocks}I", body, engine_len + request_len))
+        proof = (kid, nonce, tag)
         if not ids:
-            self._reply(conn, self.leases.claim(engine_id, request_id))
+            self._reply(conn, self.leases.claim(engine_id, request_id), proof)
             return True
 
         # The hold's own bound is a backstop: the read ends (end_read) well before, bounded by
@@ -73,18 +84,17 @@ class KVBlockServer(ThreadedServer):
             engine_id, request_id, ids, client_block_bytes, MAX_HOLD_S
         )
         if status != Status.OK:
-            self._reply(conn, status)
+            self._reply(conn, status, proof)
             return True
         try:
-            return self._send(conn, engine_id, request_id, ids, sums)
+            bpb = self.leases.block_bytes
+            self._reply(conn, Status.OK, proof, len(ids) * bpb, combine(sums))
+            return self._send(conn, engine_id, request_id, ids)
         finally:
             self.leases.end_read(request_id)
 
-    def _send(
-        self, conn: socket.socket, engine_id: str, request_id: str, ids: list[int], sums: list[int]
-    ) -> bool:
+    def _send(self, conn: socket.socket, engine_id: str, request_id: str, ids: list[int]) -> bool:
         bpb = self.leases.block_bytes
-        conn.sendall(REPLY.pack(REPLY_MAGIC, Status.OK, bpb, len(ids) * bpb, combine(sums)))
         for first, count in coalesce(ids):
             conn.sendall(self._view[first * bpb : (first + count) * bpb])
         done = recv_exact(conn, 1)
@@ -93,5 +103,16 @@ class KVBlockServer(ThreadedServer):
         self.leases.claim(engine_id, request_id)
         return True
 
-    def _reply(self, conn: socket.socket, status: Status) -> None:
-        conn.sendall(REPLY.pack(REPLY_MAGIC, status, self.leases.block_bytes, 0, 0))
+    def _reply(
+        self,
+        conn: socket.socket,
+        status: Status,
+        proof: tuple[str, bytes, bytes] | None = None,
+        total: int = 0,
+        checksum: int = 0,
+    ) -> None:
+        """A reply header and its tag over the request's (``proof``: key id, nonce and request
+        tag; zeros for a peer that proved nothing)."""
+        head = REPLY.pack(REPLY_MAGIC, status, self.leases.block_bytes, total, checksum)
+        tag = self._keys.tag(proof[0], proof[1], proof[2], head) if proof else None
+        conn.sendall(head + (tag or bytes(TAG_BYTES)))

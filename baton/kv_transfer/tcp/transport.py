@@ -8,9 +8,10 @@ import logging
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
+from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.params import RemotePrefill
 from baton.kv_transfer.sockets import KVConnectionPool
-from baton.kv_transfer.tcp.reader import read_blocks, release_lease
+from baton.kv_transfer.tcp.reader import Lease, read_blocks, release_lease
 from baton.kv_transfer.tcp.server import KVBlockServer
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,9 @@ class TCPTransport:
 
     name = "tcp"
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, keys: KeyRing) -> None:
         self.config = config
+        self.keys = keys
         self._server: KVBlockServer | None = None
         self._kv_cache: torch.Tensor | None = None
         self._pool = KVConnectionPool()
@@ -35,7 +37,7 @@ class TCPTransport:
             )
         self._kv_cache = kv_cache
         self._server = KVBlockServer(
-            kv_cache, self.config.engine_id, self.config.host, self.config.port
+            kv_cache, self.config.engine_id, self.keys, self.config.host, self.config.port
         )
         return self._server.start()
 
@@ -49,12 +51,8 @@ class TCPTransport:
 
     def read(self, spec: LoadSpec, deadline: float) -> TransferResult:
         assert self._kv_cache is not None, "start first"
-        r = spec.remote
         return read_blocks(
-            r.host,
-            r.port,
-            r.engine_id,
-            r.request_id,
+            self._lease(spec.remote),
             spec.remote_block_ids,
             self._kv_cache,
             spec.local_block_ids,
@@ -64,11 +62,12 @@ class TCPTransport:
         )
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
-        error = release_lease(
-            remote.host, remote.port, remote.engine_id, remote.request_id, deadline, pool=self._pool
-        )
+        error = release_lease(self._lease(remote), deadline, pool=self._pool)
         if error is not None:
             logger.debug("releasing remote lease %s: %s", remote.request_id, error)
+
+    def _lease(self, r: RemotePrefill) -> Lease:
+        return Lease(r.host, r.port, r.engine_id, r.request_id, self.keys, r.key_id)
 
     def stop(self) -> None:
         if self._server is not None:

@@ -2,10 +2,18 @@
 
 Per connection (several reads may follow each other on one connection):
 
+    server -> client  the greeting: a magic and the connection's nonce (``sockets.py``)
     client -> server  request header (REQUEST) + engine_id + request_id + block ids (uint32 each)
+                      + the request's tag
     server -> client  reply header (REPLY): status, server block_bytes, total bytes, checksum
+                      + the reply's tag
     server -> client  on OK only: the raw bytes of each coalesced run, in the order asked
     client -> server  one DONE byte once everything arrived and the checksum matched
+
+The request's tag is the HMAC, under the hand-off key the header names, of the nonce, the header
+and the body (``keyring.py``); a server that cannot check it answers UNAUTHORIZED and hangs up.
+The reply's tag covers the request's tag and the reply header, so the reader knows that the
+checksum it will trust came from a holder of the same key.
 
 A request with no block ids is a release: the reader will not read this lease (it failed, or it
 needs none of the blocks); the server drops the lease, reports it claimed, and replies OK with no
@@ -21,9 +29,9 @@ from __future__ import annotations
 
 import struct
 
-# magic, len(engine_id), len(request_id), number of block ids, the client's block_bytes
-REQUEST = struct.Struct("!4sHHIQ")
-REQUEST_MAGIC = b"BKVQ"
+# magic, len(engine_id), len(request_id), number of block ids, the client's block_bytes, key id
+REQUEST = struct.Struct("!4sHHIQ8s")
+REQUEST_MAGIC = b"BKVR"
 # magic, status, the server's block_bytes, total payload bytes, checksum of the payload
 REPLY = struct.Struct("!4sBQQQ")
 REPLY_MAGIC = b"BKVA"
@@ -32,11 +40,21 @@ DONE = b"\x01"
 MAX_BLOCKS_PER_READ = 1 << 22
 
 
-def pack_request(engine_id: str, request_id: str, block_ids: list[int], block_bytes: int) -> bytes:
-    """A read of ``block_ids`` (a release when there are none, with ``block_bytes`` 0)."""
+def pack_request(
+    key_id: str, engine_id: str, request_id: str, block_ids: list[int], block_bytes: int
+) -> tuple[bytes, bytes]:
+    """(header, body) of a read of ``block_ids`` (a release when there are none, with
+    ``block_bytes`` 0); the tag follows them."""
     engine_b, request_b = engine_id.encode(), request_id.encode()
-    head = REQUEST.pack(REQUEST_MAGIC, len(engine_b), len(request_b), len(block_ids), block_bytes)
-    return head + engine_b + request_b + struct.pack(f"!{len(block_ids)}I", *block_ids)
+    head = REQUEST.pack(
+        REQUEST_MAGIC,
+        len(engine_b),
+        len(request_b),
+        len(block_ids),
+        block_bytes,
+        key_id.encode(),  # 8 characters (keyring.KEY_ID_CHARS)
+    )
+    return head, engine_b + request_b + struct.pack(f"!{len(block_ids)}I", *block_ids)
 
 
 def coalesce(block_ids: list[int]) -> list[tuple[int, int]]:
