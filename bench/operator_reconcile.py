@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))  # the emulator lives in the test support code
 from baton.operator import crd  # noqa: E402
 from tests.support.kmock_server import ApiServer  # noqa: E402
 
-# Disaggregated, no autoscaling: 3 Deployments, 3 Services, 3 PDBs, SA, Role, RoleBinding and
-# the service's NetworkPolicy.
-CHILDREN = 13
+# Disaggregated, no autoscaling: 3 Deployments, 3 Services, 3 PDBs, SA, Role, RoleBinding, the
+# service's NetworkPolicy and its hand-off Secret.
+CHILDREN = 14
 SPEC = {"model": {"uri": "hf://acme/llama-8b"}, "image": "baton:bench"}
 
 

@@ -23,6 +23,7 @@ PLURALS = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "NetworkPolicy": "networkpolicies",
+    "Secret": "secrets",
     "Event": "events",
 }
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -81,6 +82,8 @@ class Api:
         path = _path_of(obj) + "/status"
         return await self.cluster.request("PATCH", path, body=patch, content_type=MERGE_PATCH)
 
-    async def create(self, obj: Manifest) -> Manifest:
-        """Creates `obj`, which has no name yet (it gives a `generateName`)."""
-        return await self.cluster.request("POST", _path_of(obj), body=obj)
+    async def create(self, obj: Manifest, field_manager: str | None = None) -> Manifest:
+        """Creates `obj` (named, or with a `generateName`); a name that is taken raises
+        `ConflictError` (409 AlreadyExists)."""
+        query = {"fieldManager": field_manager} if field_manager else None
+        return await self.cluster.request("POST", _path_of(obj), query=query, body=obj)

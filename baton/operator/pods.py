@@ -1,7 +1,8 @@
 """Pure builders of the engine and router pod templates: command lines, probes, drain, model
-fetch, GPU requests, the API key, and the Pod Security "restricted" settings (non-root, no
-privilege escalation, no capabilities, RuntimeDefault seccomp, a read-only root with emptyDir
-scratch where the code writes). No I/O; `resources.py` wraps these templates into Deployments.
+fetch, GPU requests, the API key, the hand-off secret's mount, and the Pod Security "restricted"
+settings (non-root, no privilege escalation, no capabilities, RuntimeDefault seccomp, a
+read-only root with emptyDir scratch where the code writes). No I/O; `resources.py` wraps these
+templates into Deployments.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ CACHE_ENV: tuple[tuple[str, str], ...] = (
     ("XDG_CACHE_HOME", CACHE_MOUNT),
 )
 
+# The per-service hand-off secret (`resources.kv_secret`): a directory mount, not a subPath,
+# so that the kubelet's refresh of an edited Secret reaches the file the engine re-reads.
+KV_SECRET_VOLUME = "kv-secret"
+KV_SECRET_MOUNT = "/etc/baton/kv-secret"
+KV_SECRET_KEY = "keys"
+KV_SECRET_FILE = f"{KV_SECRET_MOUNT}/{KV_SECRET_KEY}"
+# Owner root, group fsGroup (the pods' user), read-only, nothing for others.
+KV_SECRET_MODE = 0o440
+
 Manifest = dict[str, Any]
 
 
@@ -61,16 +71,20 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
         "--role", pool.role,
-        "--kv-transport", kv.transport,
-        "--kv-port", str(KV_PORT),
-        "--kv-host", "$(POD_IP)",  # the KV ports listen on the pod IP only, not on every interface
-        "--kv-lease-seconds", str(kv.lease_seconds),
-        "--kv-load-failure-policy", kv.load_failure_policy,
         "--block-size", str(engine.block_size),
         "--max-num-seqs", str(engine.max_num_seqs),
         "--dtype", engine.dtype,
         "--tensor-parallel-size", str(pool.tensor_parallel_size),
     ]  # fmt: skip
+    if pool.moves_kv:
+        args += [
+            "--kv-transport", kv.transport,
+            "--kv-port", str(KV_PORT),
+            "--kv-host", "$(POD_IP)",  # the KV ports listen on the pod IP only, not everywhere
+            "--kv-lease-seconds", str(kv.lease_seconds),
+            "--kv-load-failure-policy", kv.load_failure_policy,
+            "--kv-secret-file", KV_SECRET_FILE,
+        ]  # fmt: skip
     if engine.max_model_len is not None:
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.max_num_batched_tokens is not None:
@@ -98,6 +112,9 @@ def pod_security_context() -> Manifest:
         "runAsNonRoot": True,
         "runAsUser": RUN_AS_USER,
         "runAsGroup": RUN_AS_USER,
+        # Mounted Secrets belong to root; this group lets the user read them at mode 0440.
+        # The model PVC is mounted read-only, so the kubelet changes nothing on it.
+        "fsGroup": RUN_AS_USER,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -178,9 +195,13 @@ def _fetch_model(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manif
 
 
 def engine_pod(
-    spec: InferenceServiceSpec, pool: Pool, labels: dict[str, str], annotations: dict[str, str]
+    spec: InferenceServiceSpec,
+    pool: Pool,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    kv_secret: str,
 ) -> Manifest:
-    """The pod template of one engine pool."""
+    """The pod template of one engine pool; a pool that moves KV mounts the Secret `kv_secret`."""
     init_containers, volumes = _fetch_model(spec)
     mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}] if volumes else []
     scratch_volumes, scratch_mounts, cache_env = _scratch()
@@ -191,6 +212,10 @@ def engine_pod(
         # /dev/shm is too small.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if pool.moves_kv:
+        source = {"secretName": kv_secret, "defaultMode": KV_SECRET_MODE}
+        volumes.append({"name": KV_SECRET_VOLUME, "secret": source})
+        mounts.append({"name": KV_SECRET_VOLUME, "mountPath": KV_SECRET_MOUNT, "readOnly": True})
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     key = spec.api_key_secret
     key_env = [_secret_env(API_KEY_ENV, key)] if key else []
@@ -205,7 +230,7 @@ def engine_pod(
             # Each tensor-parallel rank serves its KV shard on its own port: rank r on +r.
             *(
                 {"name": f"kv-{r}" if r else "kv", "containerPort": KV_PORT + r, "protocol": "TCP"}
-                for r in range(pool.tensor_parallel_size)
+                for r in range(pool.tensor_parallel_size if pool.moves_kv else 0)
             ),
         ],
         "env": [pod_ip, *cache_env, *key_env, *copy.deepcopy(pool.env)],

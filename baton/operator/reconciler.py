@@ -2,7 +2,8 @@
 with the pure builders, server-side apply each one that is not as desired, delete children it no
 longer wants, and write the status from what the API reports, all from scratch on every pass.
 Whatever triggers a pass (a change to the service, to a child, a retry, a resync), the outcome
-depends only on the current state.
+depends only on the current state. One child is the exception to applying: the hand-off Secret
+is created once and never written again (its user rotates it by editing it).
 
 Triggers for one service coalesce: while a pass runs, further triggers mark it dirty and one
 more pass follows, so a burst of child events costs at most one extra pass. A pass that fails
@@ -18,24 +19,27 @@ tenants' engines into one model's pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.dynamic.exceptions import NotFoundError
+from kubernetes_asyncio.dynamic.exceptions import ConflictError, NotFoundError
 
 from baton.kube import ISVC_LABEL
 from baton.operator import crd
 from baton.operator.api import Api
 from baton.operator.events import event_body
+from baton.operator.pods import KV_SECRET_KEY
 from baton.operator.resources import (
     COMPONENT_LABEL,
     MANAGED_BY_LABEL,
     MANAGER,
     NetworkAccess,
     desired_children,
+    fresh_kv_secret_data,
     service_url,
 )
 from baton.operator.spec import InferenceServiceSpec, parse_spec
@@ -58,6 +62,9 @@ CHILD_KINDS: dict[str, str] = {
     "RoleBinding": "rbac.authorization.k8s.io/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
 }
+# The hand-off Secret is created once, never applied, and not watched: a watch of Secrets needs
+# list and watch on them, which would hand the operator every Secret's value; a deleted one is
+# made again by the next pass (a resync at the latest).
 # Kinds of which a spec change can leave children behind (a mode switch, autoscaling off).
 PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
 # The field manager that keeps a Deployment's `spec.replicas` while an HPA takes it over.
@@ -185,9 +192,14 @@ class Reconciler:
         generation = isvc["metadata"].get("generation", 0)
         # Losing or winning the model name changes the Services without a new generation.
         settled = self._settled.get((namespace, name)) == (generation, owner)
+        # Before the Deployments: a pod whose Secret is missing waits with FailedMount events.
+        for child in desired:
+            if child["kind"] == "Secret":
+                await self._ensure_kv_secret(child)
+        to_apply = [child for child in desired if child["kind"] != "Secret"]
         try:
             applied = await asyncio.gather(
-                *(self._apply(isvc, child, settled) for child in desired)
+                *(self._apply(isvc, child, settled) for child in to_apply)
             )
         except ChildConflict as e:
             await self._write_status(isvc, failed_status(isvc, "ChildConflict", str(e), now_iso()))
@@ -197,7 +209,7 @@ class Reconciler:
             self._settled[(namespace, name)] = (generation, owner)
         deployments: dict[str, Manifest | None] = {}
         router_service = None
-        for child, live in zip(desired, applied, strict=True):
+        for child, live in zip(to_apply, applied, strict=True):
             if child["kind"] == "Deployment":
                 deployments[child["metadata"]["labels"][COMPONENT_LABEL]] = live
             elif child["kind"] == "Service" and child["metadata"]["name"] == name:
@@ -241,6 +253,28 @@ class Reconciler:
             await self._hand_off_replicas(live, child)
         logger.info("applying %s %s/%s", *what)
         return self._wrote(await self.api.apply(child, MANAGER, force=True))
+
+    async def _ensure_kv_secret(self, child: Manifest) -> None:
+        """Creates the hand-off Secret `child` with a fresh secret when no Secret has its name.
+        A plain create rather than an apply: applied, the key file would be a field this manager
+        owns, and a later apply that left it out (to keep a user's rotation) would remove it.
+        One that exists, whoever made it, is used as it is."""
+        meta = child["metadata"]
+        live = await self.api.get(
+            child["apiVersion"], child["kind"], meta["namespace"], meta["name"]
+        )
+        if live is None:
+            logger.info("creating %s %s/%s", child["kind"], meta["namespace"], meta["name"])
+            # A 409: made meanwhile (by another pass or by its user); that one stands.
+            with contextlib.suppress(ConflictError):
+                await self.api.create({**child, "data": fresh_kv_secret_data()}, MANAGER)
+        elif KV_SECRET_KEY not in (live.get("data") or {}):
+            logger.warning(
+                "Secret %s/%s has no %r key; the engine pods that mount it cannot start",
+                meta["namespace"],
+                meta["name"],
+                KV_SECRET_KEY,
+            )
 
     async def _hand_off_replicas(self, live: Manifest, child: Manifest) -> None:
         """Keeps a Deployment's replicas when its pool turns to autoscaling. The operator stops

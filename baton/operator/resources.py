@@ -1,12 +1,15 @@
 """Pure builders of every child of an `InferenceService`: engine and router Deployments, the
 router Service and a headless Service per role, HPAs, PodDisruptionBudgets, the router's
-ServiceAccount, Role and RoleBinding, and the NetworkPolicy that fences the engines.
-`desired_children` is the whole desired state; the reconciler applies it. Every child carries
-a controller owner reference, so deleting the `InferenceService` garbage-collects it.
+ServiceAccount, Role and RoleBinding, the NetworkPolicy that fences the engines, and the
+hand-off Secret of a disaggregated service. `desired_children` is the whole desired state; the
+reconciler applies it. Every child carries a controller owner reference, so deleting the
+`InferenceService` garbage-collects it.
 """
 
 from __future__ import annotations
 
+import base64
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +22,14 @@ from baton.kube import (
     SERVED_MODEL_ANNOTATION,
 )
 from baton.operator import crd
-from baton.operator.pods import ENGINE_PORT, KV_PORT, ROUTER_PORT, engine_pod, router_pod
+from baton.operator.pods import (
+    ENGINE_PORT,
+    KV_PORT,
+    KV_SECRET_KEY,
+    ROUTER_PORT,
+    engine_pod,
+    router_pod,
+)
 from baton.operator.spec import InferenceServiceSpec, Pool
 from baton.operator.validation import SpecError
 
@@ -129,21 +139,17 @@ def _engine_children(
     deployment = _child("apps/v1", "Deployment", child_name, isvc, pool_labels)
     deployment["spec"] = {
         "selector": {"matchLabels": selector},
-        "template": engine_pod(spec, pool, pool_labels, pod_annotations),
+        "template": engine_pod(spec, pool, pool_labels, pod_annotations, kv_secret_name(name)),
     }
     if pool.autoscaling is None:  # otherwise the HPA owns replicas
         deployment["spec"]["replicas"] = pool.replicas
     # Headless: the router needs every pod's address (EndpointSlices), not one virtual IP.
     service_labels = {**pool_labels, GATEWAY_LABEL: "true"} if routable else pool_labels
     service = _child("v1", "Service", child_name, isvc, service_labels, served)
-    service["spec"] = {
-        "clusterIP": "None",
-        "selector": selector,
-        "ports": [
-            {"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"},
-            {"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"},
-        ],
-    }
+    ports = [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if pool.moves_kv:
+        ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})
+    service["spec"] = {"clusterIP": "None", "selector": selector, "ports": ports}
     children = [deployment, service, _pdb(isvc, child_name, pool_labels, selector)]
     if pool.autoscaling is not None:
         auto = pool.autoscaling
@@ -265,6 +271,26 @@ def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkA
     return policy
 
 
+def kv_secret_name(name: str) -> str:
+    """The hand-off Secret of the service `name`."""
+    return f"{name}-kv-secret"
+
+
+def kv_secret(isvc: Manifest) -> Manifest:
+    """The hand-off Secret without its data: the reconciler creates it once with
+    `fresh_kv_secret_data()` and never writes it again, so that a user's rotation stays."""
+    name = isvc["metadata"]["name"]
+    secret = _child("v1", "Secret", kv_secret_name(name), isvc, labels(name, "kv-secret"))
+    secret["type"] = "Opaque"
+    return secret
+
+
+def fresh_kv_secret_data() -> dict[str, str]:
+    """The Secret's `data`: one new random secret as the only line of the key file."""
+    line = secrets.token_hex(32) + "\n"
+    return {KV_SECRET_KEY: base64.b64encode(line.encode()).decode()}
+
+
 def desired_children(
     isvc: Manifest,
     spec: InferenceServiceSpec,
@@ -279,6 +305,8 @@ def desired_children(
     for pool in spec.pools:
         children += _engine_children(isvc, spec, pool, routable)
     children.append(_network_policy(isvc, spec, access or NetworkAccess()))
+    if any(pool.moves_kv for pool in spec.pools):
+        children.append(kv_secret(isvc))
     return children + _router_children(isvc, spec)
 
 

@@ -70,6 +70,13 @@ class Pool:
         """The `app.kubernetes.io/component` label and the name suffix of its children."""
         return "engine" if self.role == "both" else self.role
 
+    @property
+    def moves_kv(self) -> bool:
+        """Whether the pool's engines hand KV to other engines. Only prefill and decode pools
+        do: an aggregated pool serves alone, so it runs no KV server (no port to fence, no
+        hand-off secret to hold)."""
+        return self.role != "both"
+
 
 @dataclass(frozen=True)
 class KVTransfer:

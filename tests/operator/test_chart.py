@@ -83,3 +83,18 @@ def test_watched_namespaces_get_namespaced_rbac() -> None:
     everywhere = [d for d in yaml.safe_load_all(helm("template", "baton", str(CHART))) if d]
     kinds = {d["kind"] for d in everywhere if "Role" in d["kind"]}
     assert kinds == {"ClusterRole", "ClusterRoleBinding"}
+
+
+@pytest.mark.parametrize("watch", [None, "operator.watchNamespaces={a,b}"], ids=["all", "some"])
+def test_the_operator_may_read_and_create_secrets_but_not_list_them(watch: str | None) -> None:
+    """The ClusterRole, or each watched namespace's Role, lets the operator get and create
+    Secrets (the hand-off Secret it makes once) and nothing more: no list or watch, which
+    would hand it every Secret's value, and no patch, as it never writes one again."""
+    rendered = helm("template", "baton", str(CHART), *(["--set", watch] if watch else []))
+    grants = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] in ("Role", "ClusterRole")]
+    assert grants
+    for grant in grants:
+        secrets = [
+            r for r in grant["rules"] if "" in r["apiGroups"] and "secrets" in r["resources"]
+        ]
+        assert [(r["resources"], r["verbs"]) for r in secrets] == [(["secrets"], ["get", "create"])]

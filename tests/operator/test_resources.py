@@ -32,7 +32,8 @@ BASE = {"model": {"uri": "hf://acme/llama-8b", "servedModelName": "llama"}, "ima
 
 def test_disaggregated_children() -> None:
     """A disaggregated service gets prefill, decode and router Deployments, a router Service,
-    a headless Service and PDB per role, and the router's RBAC, all owned by the service."""
+    a headless Service and PDB per role, the router's RBAC and the hand-off Secret, all owned by
+    the service."""
     children = build(BASE)
     assert set(children) == {
         ("Deployment", "llama-prefill"),
@@ -48,7 +49,9 @@ def test_disaggregated_children() -> None:
         ("Role", "llama-router"),
         ("RoleBinding", "llama-router"),
         ("NetworkPolicy", "llama-engines"),
+        ("Secret", "llama-kv-secret"),
     }
+    assert "data" not in children[("Secret", "llama-kv-secret")]  # filled in once, on creation
     for child in children.values():
         (owner,) = child["metadata"]["ownerReferences"]
         assert owner == {
@@ -154,6 +157,7 @@ def test_engine_command_line_has_every_engine_field() -> None:
         "--kv-host": "$(POD_IP)",
         "--kv-lease-seconds": "45",
         "--kv-load-failure-policy": "fail",
+        "--kv-secret-file": "/etc/baton/kv-secret/keys",
         "--max-model-len": "8192",
         "--block-size": "32",
         "--max-num-seqs": "64",
@@ -239,7 +243,9 @@ def test_model_fetch_per_scheme() -> None:
 
     local = BASE | {"model": {"uri": "file:///opt/llama"}}
     pod = build(local)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
-    assert [v["name"] for v in pod["volumes"]] == ["tmp", "cache"] and "initContainers" not in pod
+    # No model volume: only scratch and the hand-off secret.
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "cache", "kv-secret"]
+    assert "initContainers" not in pod
     assert flag(pod["containers"][0]["args"], "--model") == "/opt/llama"
 
 

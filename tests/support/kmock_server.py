@@ -42,6 +42,7 @@ BUILTIN_RESOURCES: dict[tuple[str, str, str], tuple[str, bool, tuple[str, ...]]]
     ("", "v1", "events"): ("Event", True, ()),
     ("", "v1", "services"): ("Service", True, ("status",)),
     ("", "v1", "serviceaccounts"): ("ServiceAccount", True, ()),
+    ("", "v1", "secrets"): ("Secret", True, ()),
     ("", "v1", "pods"): ("Pod", True, ("status",)),
     ("events.k8s.io", "v1", "events"): ("Event", True, ()),
     ("apps", "v1", "deployments"): ("Deployment", True, ("status", "scale")),

@@ -43,6 +43,10 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version | replace "+" "_" }}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The hand-off Secret, created once: no list or watch (every Secret's value), no patch.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
