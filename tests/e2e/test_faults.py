@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
+from baton.kv_transfer.sockets import GREETING
 from tests.e2e.conftest import (
     LOAD_TIMEOUT,
     Fleet,
@@ -326,6 +327,7 @@ class _CuttingProxy:
         try:
             conn.settimeout(5)
             up.settimeout(5)
+            conn.sendall(up.recv(GREETING.size, socket.MSG_WAITALL))  # the server speaks first
             up.sendall(conn.recv(1 << 16))
             reply = b""
             while len(reply) < 64:

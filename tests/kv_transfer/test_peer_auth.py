@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -275,3 +277,15 @@ def test_bad_secrets_stop_the_start(tmp_path: Path) -> None:
             KeyRing.load(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         KeyRing.load(str(tmp_path / "missing"))
+
+
+def test_an_engine_with_an_unreadable_secret_does_not_start(tmp_path: Path) -> None:
+    """`baton engine --role prefill` with a secret file it cannot use exits 2 naming the file,
+    before it loads anything."""
+    missing = tmp_path / "keys"
+    done = subprocess.run(
+        [sys.executable, "-m", "baton.cli", "engine", "--role", "prefill",
+         "--kv-secret-file", str(missing)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and str(missing) in done.stderr, done.stderr

@@ -124,7 +124,7 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         return None
     host = args.kv_host or args.host
     advertise = args.kv_advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
-    config = KVTransferConfig(
+    return KVTransferConfig(
         role=args.role,
         transport=args.kv_transport or "tcp",
         host=host,
@@ -135,8 +135,6 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         load_failure_policy=args.kv_load_failure_policy,
         secret_file=args.kv_secret_file,
     )
-    KeyRing.load(config.secret_file)  # a missing or bad secret stops the start, not a hand-off
-    return config
 
 
 add_args = add_server_args  # the name `baton.cli` looks for
@@ -144,7 +142,10 @@ add_args = add_server_args  # the name `baton.cli` looks for
 
 def run(args: argparse.Namespace) -> int:
     """`baton engine`: serve until stopped; the exit code says how it ended."""
-    return serve(*configs_from_args(args))
+    engine, server = configs_from_args(args)
+    if engine.kv_transfer is not None:
+        KeyRing.load(engine.kv_transfer.secret_file)  # a bad secret stops the start, not a pull
+    return serve(engine, server)
 
 
 def main(argv: list[str] | None = None) -> None:
