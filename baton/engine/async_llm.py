@@ -33,6 +33,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class AsyncLLM:
         self._closing = False
         self.kv_transport: str | None = None  # the KV transport in use; None: no connector
         self.kv_ports: list[int] | None = None  # where each rank serves its KV shard
+        self.fingerprint: Fingerprint | None = None  # the core's, once it is ready
 
     @classmethod
     async def start(cls, args: EngineArgs) -> AsyncLLM:
@@ -153,6 +155,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.kv_transport = ready.kv_transport
         self.kv_ports = ready.kv_ports
+        self.fingerprint = ready.fingerprint
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._output_loop()))
         # A thread waits for the core's exit and tells the loop (Popen has no pollable handle).

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import torch
 
+from baton.engine import compatibility
 from baton.engine.config import EngineArgs
 from baton.engine.executor import Executor, make_executor
 from baton.engine.executor.base import StepResult
 from baton.engine.executor.uniproc import UniProcExecutor
 from baton.engine.kv_cache.manager import KVCacheConfig
 from baton.engine.models.config import ModelConfig, parse_dtype
+from baton.engine.models.loader import weight_files
 from baton.engine.models.tensor_parallel import ShardLayout
 from baton.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from baton.engine.request import Request, RequestStatus
@@ -92,6 +94,17 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        layout = ShardLayout.build(mc, 0, tp)
+        self.fingerprint = compatibility.compute(
+            self.model_path,
+            Path(args.tokenizer) if args.tokenizer else self.model_path,
+            weight_files(self.model_path),
+            dtype=str(dtype).removeprefix("torch."),
+            kv_cache_dtype=str(dtype).removeprefix("torch."),
+            block_size=args.block_size,
+            block_shape=(mc.num_layers, 2, args.block_size, layout.num_kv_heads, mc.head_dim),
+            tensor_parallel_size=tp,
+        )
         # The connector's two halves: the scheduler's (bookkeeping, here) and the worker's (the
         # transport, next to each rank's KV shard: in this process, or one per worker process).
         connector: PullConnector | None = None
@@ -104,7 +117,11 @@ class EngineCore:
                 self.executor.shutdown()
                 raise
             connector = PullConnector(
-                kvt, KVConnectorRole.SCHEDULER, args.block_size, ports=self.connector_worker.ports
+                kvt,
+                KVConnectorRole.SCHEDULER,
+                args.block_size,
+                ports=self.connector_worker.ports,
+                fingerprint=self.fingerprint,
             )
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
         self.scheduler = Scheduler(
@@ -214,7 +231,7 @@ class EngineCore:
             if meta:
                 worker.start_load_kv(meta)
             kv_output = worker.get_finished()
-            if kv_output:
+            if kv_output or self.scheduler.kv_refused:
                 kv_ended = True
                 outputs += self.scheduler.update_from_kv_output(kv_output)
         if not (num_tokens or outputs or kv_ended):

@@ -69,6 +69,7 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         vocab_size=core.model_config.vocab_size,
         kv_transport=worker.transport_name if worker is not None else None,
         kv_ports=worker.ports if worker is not None else None,
+        fingerprint=core.fingerprint,
     )
     handshake.send(p.encoder.encode(ready))
     handshake.close(linger=1000)

@@ -15,6 +15,7 @@ import msgspec
 from baton.engine.config import EngineArgs
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import TransferResult
+from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.params import KVTransferParams
 
 # ---- handshake -----------------------------------------------------------------------------
@@ -39,6 +40,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     kv_transport: str | None = None  # the KV transport in use (None: no connector)
     kv_ports: list[int] | None = None  # one per tensor-parallel rank
+    fingerprint: Fingerprint | None = None  # what a hand-off partner must equal
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -170,6 +170,12 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tokenizer
 
 
+def chat_template_of(path: str | Path) -> ChatTemplate | None:
+    """The chat template(s) of a tokenizer folder, as `load_tokenizer` finds them."""
+    path = Path(path)
+    return _read_chat_template(path, _read_json(path / "tokenizer_config.json"))
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}

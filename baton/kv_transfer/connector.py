@@ -23,7 +23,8 @@ from baton.kv_transfer.base import (
     LoadSpec,
     TransferResult,
 )
-from baton.kv_transfer.keyring import KeyRing
+from baton.kv_transfer.fingerprint import Fingerprint, describe_mismatch
+from baton.kv_transfer.keyring import KeyRing, prompt_hash
 from baton.kv_transfer.params import KVTransferParams, RemotePrefill, cdiv, layout_mismatch
 
 if TYPE_CHECKING:
@@ -61,8 +62,12 @@ class PullConnector(KVConnectorBase):
         role: KVConnectorRole,
         block_size: int,
         ports: list[int] | None = None,
+        fingerprint: Fingerprint | None = None,
     ) -> None:
         super().__init__(config, role)
+        # This engine's; what a decode request's params carry must equal it (None: the worker
+        # half, which compares nothing).
+        self.fingerprint = fingerprint or Fingerprint()
         self.block_size = block_size
         # Signs the leases this engine hands out; its transport authenticates peers with it.
         self.keys = KeyRing.load(config.secret_file)
@@ -97,7 +102,18 @@ class PullConnector(KVConnectorBase):
                 "BAD_PARAMS: kv_transfer_params do not describe this prompt "
                 f"({num_prompt} tokens); recomputing"
             )
-        return layout_mismatch(remote, len(self.ports)) or remote
+        # Both sides computed the same KV only with the same model, dtype, layout and tokens.
+        mismatch = layout_mismatch(remote, len(self.ports)) or describe_mismatch(
+            remote.fingerprint, self.fingerprint
+        )
+        if mismatch is not None:
+            return mismatch
+        if remote.prompt_hash != prompt_hash(request.prompt_token_ids):
+            return (
+                "INCOMPATIBLE: prompt differs: the prefill engine computed other token ids for "
+                "this request (another tokenizer or chat template?)"
+            )
+        return remote
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
@@ -153,6 +169,7 @@ class PullConnector(KVConnectorBase):
             num_prompt_tokens=num_prompt,
             lease_expires_at=expires_at,
             ports=tuple(self.ports),
+            fingerprint=self.fingerprint,
         )
         return KVTransferParams.lease(remote.signed(self.keys, request.prompt_token_ids))
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.keyring import KeyRing, prompt_hash
 from baton.roles import Role
 
@@ -45,6 +46,7 @@ class _JSON(msgspec.Struct, omit_defaults=True):
     prompt_hash: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     key_id: Annotated[str, msgspec.Meta(max_length=64)] | None = None
     signature: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    fingerprint: Fingerprint | None = None  # the prefill engine's (fingerprint.py)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,6 +67,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
     # One per tensor-parallel rank of the prefill engine: rank r's shard is served on ports[r].
     ports: tuple[int, ...] = ()
     prompt_hash: str = ""  # keyring.prompt_hash of the prompt's token ids
+    fingerprint: Fingerprint = Fingerprint()  # the prefill engine's (none: the empty one)
     key_id: str = ""  # the key that signed it; readers authenticate to the KV server with it
     signature: str = ""
 
@@ -89,6 +92,7 @@ class RemotePrefill(msgspec.Struct, frozen=True):
                 self.num_prompt_tokens,
                 self.prompt_hash,
                 self.lease_expires_at,
+                msgspec.structs.astuple(self.fingerprint),
             ]
         )
 
@@ -98,8 +102,10 @@ class RemotePrefill(msgspec.Struct, frozen=True):
         kid, signature = keys.sign(out._message())
         return msgspec.structs.replace(out, key_id=kid, signature=signature)
 
-    def unverified(self, keys: KeyRing, prompt_token_ids: list[int]) -> str | None:
-        """Why a decode engine must not act on these params for `prompt_token_ids`, or None."""
+    def unverified(self, keys: KeyRing) -> str | None:
+        """Why a decode engine must not act on these params at all, or None. Whether they suit
+        its model and prompt is the connector's check (a mismatch there follows the request's
+        failure policy)."""
         if not (self.signature and self.key_id):
             return (
                 "kv_transfer_params are not signed: pass a prefill engine's kv_transfer_params "
@@ -115,8 +121,6 @@ class RemotePrefill(msgspec.Struct, frozen=True):
                 "kv_transfer_params do not match their signature: they were changed after the "
                 "prefill engine issued them"
             )
-        if self.prompt_hash != prompt_hash(prompt_token_ids):
-            return "kv_transfer_params were issued for another prompt than this request's"
         return None
 
 
@@ -176,6 +180,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
             js.remote_block_ids, js.num_prompt_tokens = list(r.block_ids), r.num_prompt_tokens
             js.lease_expires_at = r.lease_expires_at
             js.prompt_hash, js.key_id, js.signature = r.prompt_hash, r.key_id, r.signature
+            js.fingerprint = r.fingerprint
         out: dict[str, Any] = msgspec.to_builtins(js)
         return out
 
@@ -237,6 +242,7 @@ def _remote(js: _JSON) -> RemotePrefill:
         prompt_hash=js.prompt_hash or "",
         key_id=js.key_id or "",
         signature=js.signature or "",
+        fingerprint=js.fingerprint or Fingerprint(),
     )
 
 

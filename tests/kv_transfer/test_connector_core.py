@@ -12,6 +12,7 @@ import time
 import weakref
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from baton.engine.config import EngineArgs
@@ -22,6 +23,7 @@ from baton.engine.protocol import EngineCoreOutput, EngineCoreRequest
 from baton.engine.request import RequestStatus
 from baton.engine.sampling_params import SamplingParams
 from baton.kv_transfer.base import KVTransferConfig, TransferResult
+from baton.kv_transfer.keyring import prompt_hash
 from baton.kv_transfer.params import KVTransferParams
 
 BLOCK = 4
@@ -265,6 +267,10 @@ def test_nothing_listening_recomputes_within_the_timeout(model: Path, transport:
         "remote_block_ids": list(range(5)),
         "num_prompt_tokens": len(prompt),
         "lease_expires_at": time.time() + 30,
+        # What a prefill engine of the same model would have said (the core does not verify
+        # signatures: its API server does).
+        "fingerprint": msgspec.to_builtins(decode.fingerprint),
+        "prompt_hash": prompt_hash(prompt),
     }
     try:
         start = time.monotonic()

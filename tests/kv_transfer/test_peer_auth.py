@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from baton.kv_transfer import keyring as keyring_mod
+from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.keyring import TAG_BYTES, KeyRing, new_secret, prompt_hash
 from baton.kv_transfer.leases import LeaseTable, Status
 from baton.kv_transfer.nixl import channel
@@ -219,14 +220,15 @@ def _remote() -> RemotePrefill:
     return RemotePrefill("e" * 32, "10.0.0.7", 7000, "cmpl-1-0", [4, 5, 6], 40, 1e9, (7000,))
 
 
-def test_signed_params_verify_only_unchanged_and_for_their_prompt() -> None:
+def test_signed_params_verify_only_unchanged() -> None:
     """Signed params survive the JSON round trip a client makes; a change to any field a decode
-    engine acts on, another prompt, another key, or no signature is named as such."""
+    engine acts on (the prompt's hash and the prefill engine's fingerprint among them), another
+    key, or no signature is named as such."""
     prompt = list(range(40))
     signed = _remote().signed(KEYS, prompt)
     back = KVTransferParams.parse(KVTransferParams.lease(signed).to_json())
     assert back is not None and back.remote is not None
-    assert back.remote.unverified(KEYS, prompt) is None
+    assert back.remote.unverified(KEYS) is None
     assert back.remote.prompt_hash == prompt_hash(prompt)
     for field, value in [
         ("engine_id", "f" * 32),
@@ -237,12 +239,13 @@ def test_signed_params_verify_only_unchanged_and_for_their_prompt() -> None:
         ("block_ids", [4, 5, 7]),
         ("num_prompt_tokens", 41),
         ("lease_expires_at", 2e9),
+        ("prompt_hash", prompt_hash(prompt[::-1])),
+        ("fingerprint", Fingerprint(dtype="bfloat16")),
     ]:
         changed = signed.__class__(**{**_fields(signed), field: value})
-        assert "changed after" in (changed.unverified(KEYS, prompt) or ""), field
-    assert "another prompt" in (signed.unverified(KEYS, prompt[::-1]) or "")
-    assert "does not hold" in (signed.unverified(OTHER, prompt) or "")
-    assert "not signed" in (_remote().unverified(KEYS, prompt) or "")
+        assert "changed after" in (changed.unverified(KEYS) or ""), field
+    assert "does not hold" in (signed.unverified(OTHER) or "")
+    assert "not signed" in (_remote().unverified(KEYS) or "")
 
 
 def _fields(r: RemotePrefill) -> dict[str, object]:

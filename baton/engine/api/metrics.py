@@ -149,6 +149,13 @@ class EngineMetrics:
             [*_LABELS, "reason"],
             registry=reg,
         )
+        self._kv_incompatible = Counter(
+            "baton:kv_transfer_incompatible",
+            "Hand-offs refused before any pull because the two engines differ, by the first "
+            "field that differs (weights, dtype, tokenizer, chat_template, prompt, ...).",
+            [*_LABELS, "reason"],
+            registry=reg,
+        )
         self._labels = labels
 
     def observe_step(self, stats: EngineStats) -> None:
@@ -160,6 +167,9 @@ class EngineMetrics:
             self.kv_transfer_seconds.observe(result.seconds)
             if result.reason:
                 self._kv_failures.labels(*self._labels, result.reason).inc()
+            if result.reason == "INCOMPATIBLE" and result.error:
+                field = result.error.split(":", 1)[1].split()[0]  # "INCOMPATIBLE: dtype differs"
+                self._kv_incompatible.labels(*self._labels, field).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

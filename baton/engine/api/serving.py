@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from pydantic import BaseModel
@@ -130,6 +131,7 @@ class EngineServer:
         return self.llm.dead_error is None and not self.draining
 
     def health(self) -> dict[str, Any]:
+        fp = self.llm.fingerprint
         return {
             "status": "ok",
             "model": self.model_name,
@@ -138,13 +140,16 @@ class EngineServer:
             "kv_port": self.llm.kv_ports[0] if self.llm.kv_ports else None,
             "kv_ports": self.llm.kv_ports,
             "tensor_parallel_size": self.tensor_parallel_size,
+            # Engines hand KV over only between equal fingerprints; the router pairs by it.
+            "fingerprint": fp.digest if fp is not None else None,
+            "compatibility": msgspec.to_builtins(fp) if fp is not None else None,
         }
 
     def _kv_transfer_params(
-        self, params: dict[str, Any] | None, prompts: list[list[int]], n: int
+        self, params: dict[str, Any] | None, num_prompts: int, n: int
     ) -> KVTransferParams | None:
         """The request's `kv_transfer_params`, parsed (the one place they are) and, for a
-        decode request, their signature checked against its prompt; or a 400."""
+        decode request, their signature checked; or a 400."""
         try:
             parsed = KVTransferParams.parse(params)
             if parsed is not None:
@@ -152,7 +157,7 @@ class EngineServer:
         except ValueError as e:
             raise APIError(400, str(e), "kv_transfer_params") from None
         handing_off = parsed is not None and (parsed.do_remote_decode or parsed.do_remote_prefill)
-        if handing_off and (len(prompts) > 1 or n > 1):
+        if handing_off and (num_prompts > 1 or n > 1):
             raise APIError(
                 400,
                 "kv_transfer_params hand off one prompt's KV: use one prompt and n=1",
@@ -160,7 +165,7 @@ class EngineServer:
             )
         if parsed is not None and parsed.remote is not None:
             assert self.keys is not None  # check_engine: only an engine with a connector
-            why = parsed.remote.unverified(self.keys, prompts[0])
+            why = parsed.remote.unverified(self.keys)
             if why is not None:
                 raise APIError(400, why, "kv_transfer_params")
         return parsed
@@ -388,8 +393,7 @@ class EngineServer:
     ) -> tuple[list[PromptStream], Callable[[], None]]:
         """Admits the request and starts one engine request per prompt; the call returned ends
         the admission's tracking."""
-        prompts = [ids for (_, ids), _ in inputs]
-        kv_params = self._kv_transfer_params(req.kv_transfer_params, prompts, req.n)
+        kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit()
         streams = [
             PromptStream(self.llm, self.metrics, rid, prompt, params, req.priority, kv_params)

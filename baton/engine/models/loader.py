@@ -32,7 +32,8 @@ _FUSED = {
 _NAME = re.compile(r"^(?:model\.)?(.*)$")
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files, in load order."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -48,7 +49,7 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in _weight_files(path):
+    for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)

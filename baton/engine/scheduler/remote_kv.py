@@ -41,6 +41,8 @@ class RemoteKV:
         self.leased: dict[str, tuple[Request, int]] = {}
         self._free_after_load: dict[str, Request] = {}  # aborted while their pull ran
         self._ended: list[TransferResult] = []  # pulls that ended, for the next stats
+        # Requests whose params the connector refused under policy "fail": `update` ends them.
+        self.refused: list[Request] = []
         self.num_leases_expired = 0
 
     # ---- requests in -----------------------------------------------------------------------
@@ -60,6 +62,11 @@ class RemoteKV:
         if rejected is not None:
             logger.warning("KV params of %s refused: %s", request.request_id, rejected.error)
             self._ended.append(rejected)
+            if self.connector.load_failure_policy(request) == "fail":
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error = f"KV cache from the prefill engine refused: {rejected.error}"
+                self.refused.append(request)
+                return True  # off `waiting`: the next `update` ends it
         if num_external == 0:
             return False
         request.num_computed_tokens = num_hit
@@ -95,7 +102,8 @@ class RemoteKV:
         follows the request's failure policy: "recompute" starts it over locally (its pulled
         blocks are dropped, since their contents are unknown); "fail" ends it with an error.
         """
-        update = KVUpdate()
+        update = KVUpdate(failed=self.refused)
+        self.refused = []
         self._ended.extend(output.finished_loads)
         for result in output.finished_loads:
             aborted = self._free_after_load.pop(result.req_id, None)

@@ -376,6 +376,11 @@ class Scheduler:
             return KVConnectorMetadata()
         return self.remote_kv.connector.build_connector_meta()
 
+    @property
+    def kv_refused(self) -> bool:
+        """Whether requests whose KV params were refused under policy "fail" wait to end."""
+        return self.remote_kv is not None and bool(self.remote_kv.refused)
+
     def update_from_kv_output(self, output: KVConnectorOutput) -> list[EngineCoreOutput]:
         """Applies what the connector's worker half reports: pulled requests resume at the
         front of `waiting`, failed ones end with an error, ended leases free their blocks."""
