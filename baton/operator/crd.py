@@ -23,6 +23,10 @@ PREFILL_METRIC = "vllm:num_requests_waiting"
 DECODE_METRIC = "vllm:kv_cache_usage_perc"
 PREFILL_TARGET = "4"
 DECODE_TARGET = "800m"
+# How long an in-flight request gets after SIGTERM (`spec.drain.timeoutSeconds`). An hour is
+# the bound: past it a rolling update of a few dozen pods, or a node drain, can take a day.
+DEFAULT_DRAIN_SECONDS = 120
+MAX_DRAIN_SECONDS = 3600
 
 Schema = dict[str, Any]
 
@@ -204,6 +208,19 @@ SPEC: Schema = _obj(
             "How decode engines pull KV blocks from prefill engines.",
             default={},
         ),
+        "drain": _obj(
+            {
+                "timeoutSeconds": {
+                    **_int(DEFAULT_DRAIN_SECONDS, maximum=MAX_DRAIN_SECONDS),
+                    "description": "Seconds an in-flight request gets to finish once a pod is "
+                    "told to stop; the engines' --shutdown-timeout and the pods' "
+                    "terminationGracePeriodSeconds follow from it (and, for prefill, the KV "
+                    "lease).",
+                },
+            },
+            "How engine and router pods stop.",
+            default={},
+        ),
         "router": _obj(
             {
                 "replicas": _int(1, maximum=100),
@@ -237,6 +254,15 @@ POOL_STATUS: Schema = _obj(
         "desiredReplicas": {"type": "integer"},
         "readyReplicas": {"type": "integer"},
         "summary": {"type": "string"},
+        "replicas": {"type": "integer", "description": "Pods of any revision."},
+        "updatedReplicas": {"type": "integer", "description": "Pods of the current template."},
+        "availableReplicas": {"type": "integer"},
+        "rolloutComplete": {
+            "type": "boolean",
+            "description": "As `kubectl rollout status` decides: the Deployment saw the current "
+            "generation and every pod is updated and available.",
+        },
+        "revision": {"type": "string", "description": "The pods' baton.dev/revision label."},
     },
     "Replicas of one Deployment.",
 )
@@ -245,6 +271,10 @@ STATUS: Schema = _obj(
         "observedGeneration": {"type": "integer"},
         "mode": {"type": "string"},
         "url": {"type": "string"},
+        "revision": {
+            "type": "string",
+            "description": "The engine pods' baton.dev/revision label the spec asks for.",
+        },
         "prefill": POOL_STATUS,
         "decode": POOL_STATUS,
         "router": POOL_STATUS,
@@ -279,6 +309,13 @@ PRINTER_COLUMNS = [
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.summary"},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
+    {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="RolloutComplete")].reason',
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

@@ -1,8 +1,8 @@
-"""Pure builders of the engine and router pod templates: command lines, probes, drain, model
-fetch, GPU requests, the API key, the hand-off secret's mount, and the Pod Security "restricted"
-settings (non-root, no privilege escalation, no capabilities, RuntimeDefault seccomp, a
-read-only root with emptyDir scratch where the code writes). No I/O; `resources.py` wraps these
-templates into Deployments.
+"""Pure builders of the engine and router pod templates: command lines, probes, the drain
+arithmetic (shutdown timeouts and grace periods), model fetch, GPU requests, the API key, the
+hand-off secret's mount, and the Pod Security "restricted" settings (non-root, no privilege
+escalation, no capabilities, RuntimeDefault seccomp, a read-only root with emptyDir scratch
+where the code writes). No I/O; `resources.py` wraps these templates into Deployments.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from baton.operator.crd import DEFAULT_DRAIN_SECONDS
 from baton.operator.spec import InferenceServiceSpec, ModelSource, Pool
 
 ENGINE_PORT = 8000
@@ -17,10 +18,26 @@ KV_PORT = 14579
 ROUTER_PORT = 8000
 GPU = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
-# Time for endpoint removal to reach every router before SIGTERM starts the drain.
+# The drain arithmetic. Kubernetes counts `terminationGracePeriodSeconds` from the start of the
+# preStop hook and sends SIGTERM when the hook ends, SIGKILL when the period is over:
+#   grace = preStop + shutdown timeout + exit.
+# - preStop (PRESTOP_SLEEP_SECONDS): the pod keeps serving while its endpoint's removal reaches
+#   every router; requests admitted then are in flight at SIGTERM.
+# - shutdown timeout (`--shutdown-timeout`, the engine's whole drain, run_server): admission
+#   closes, in-flight requests finish, then a prefill engine waits until its leased KV blocks
+#   are claimed or expire, at most the lease time plus one poll. The last lease starts when the
+#   last in-flight request ends, at most `spec.drain.timeoutSeconds` (D) after SIGTERM, and
+#   expires at most `kvTransfer.leaseSeconds` (L) later, so a prefill engine gets D + L + 1 s
+#   and outlives every lease it handed out; decode and aggregated engines hold none: D.
+# - exit (ENGINE_EXIT_SECONDS): uvicorn's 2 s close and up to 10 s for the EngineCore to stop,
+#   with a margin, so that SIGKILL never lands in the middle of a drain that kept its time.
+# The router drains its open streams in D (`--router-shutdown-timeout`, uvicorn's graceful
+# shutdown) and exits at once after.
 PRESTOP_SLEEP_SECONDS = 10
-# Time an in-flight request gets to finish once the drain starts, on top of the KV lease.
-DRAIN_SECONDS = 120
+DRAIN_SECONDS = DEFAULT_DRAIN_SECONDS  # the default of spec.drain.timeoutSeconds
+LEASE_POLL_SECONDS = 1  # _wait_leases: the core frees an expired lease at its next poll
+ENGINE_EXIT_SECONDS = 15
+ROUTER_EXIT_SECONDS = 5
 # The image's user (Dockerfile: `useradd --uid 10001`); runAsNonRoot needs a numeric one.
 RUN_AS_USER = 10001
 # The environment variables the engine and router read their API key from (as vLLM's
@@ -61,6 +78,23 @@ def model_path(model: ModelSource) -> str:
     return model.path
 
 
+def engine_shutdown_timeout(spec: InferenceServiceSpec, pool: Pool) -> int:
+    """The pool's `--shutdown-timeout`: the drain time, and for prefill the lease after it."""
+    if pool.role == "prefill":
+        return spec.drain.timeout_seconds + spec.kv_transfer.lease_seconds + LEASE_POLL_SECONDS
+    return spec.drain.timeout_seconds
+
+
+def engine_grace_seconds(spec: InferenceServiceSpec, pool: Pool) -> int:
+    """The pool's `terminationGracePeriodSeconds`: preStop, the whole drain, the exit."""
+    return PRESTOP_SLEEP_SECONDS + engine_shutdown_timeout(spec, pool) + ENGINE_EXIT_SECONDS
+
+
+def router_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """The router's `terminationGracePeriodSeconds`: preStop, its drain, the exit."""
+    return PRESTOP_SLEEP_SECONDS + spec.drain.timeout_seconds + ROUTER_EXIT_SECONDS
+
+
 def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     """`baton engine ...` for one pool; `$(POD_IP)` is expanded by the kubelet."""
     engine, kv = spec.engine, spec.kv_transfer
@@ -75,6 +109,7 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
         "--max-num-seqs", str(engine.max_num_seqs),
         "--dtype", engine.dtype,
         "--tensor-parallel-size", str(pool.tensor_parallel_size),
+        "--shutdown-timeout", str(engine_shutdown_timeout(spec, pool)),
     ]  # fmt: skip
     if pool.moves_kv:
         args += [
@@ -247,9 +282,7 @@ def engine_pod(
         "containers": [container],
         "volumes": volumes,
         # preStop, then SIGTERM drains in-flight requests and lets KV leases run out.
-        "terminationGracePeriodSeconds": (
-            PRESTOP_SLEEP_SECONDS + DRAIN_SECONDS + spec.kv_transfer.lease_seconds
-        ),
+        "terminationGracePeriodSeconds": engine_grace_seconds(spec, pool),
         "nodeSelector": dict(pool.node_selector),
         "tolerations": copy.deepcopy(pool.tolerations),
     }
@@ -277,6 +310,7 @@ def router_pod(
         "--selector", selector,
         "--policy", router.policy,
         "--disagg-min-tokens", str(router.disagg_min_tokens),
+        "--router-shutdown-timeout", str(spec.drain.timeout_seconds),
     ]  # fmt: skip
     if router.session_affinity is not None:
         args.append("--session-affinity" if router.session_affinity else "--no-session-affinity")
@@ -306,6 +340,6 @@ def router_pod(
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS + DRAIN_SECONDS,
+        "terminationGracePeriodSeconds": router_grace_seconds(spec),
     }
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}

@@ -30,6 +30,7 @@ from baton.operator.pods import (
     engine_pod,
     router_pod,
 )
+from baton.operator.revision import REVISION_LABEL, revision
 from baton.operator.spec import InferenceServiceSpec, Pool
 from baton.operator.validation import SpecError
 
@@ -136,10 +137,14 @@ def _engine_children(
         **served,
     }
     selector = selector_labels(name, pool.component)
-    deployment = _child("apps/v1", "Deployment", child_name, isvc, pool_labels)
+    # On the pods and their Deployment only: Services, PDBs and selectors span revisions.
+    revision_labels = {**pool_labels, REVISION_LABEL: revision(spec)}
+    deployment = _child("apps/v1", "Deployment", child_name, isvc, revision_labels)
     deployment["spec"] = {
         "selector": {"matchLabels": selector},
-        "template": engine_pod(spec, pool, pool_labels, pod_annotations, kv_secret_name(name)),
+        "template": engine_pod(
+            spec, pool, dict(revision_labels), pod_annotations, kv_secret_name(name)
+        ),
     }
     if pool.autoscaling is None:  # otherwise the HPA owns replicas
         deployment["spec"]["replicas"] = pool.replicas

@@ -86,6 +86,13 @@ class KVTransfer:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """How pods stop: `timeout_seconds` is what an in-flight request gets after SIGTERM."""
+
+    timeout_seconds: int
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     replicas: int
     policy: str
@@ -107,6 +114,7 @@ class InferenceServiceSpec:
     pools: tuple[Pool, ...]  # (prefill, decode) or (engine,) when aggregated
     kv_transfer: KVTransfer
     router: RouterSpec
+    drain: Drain
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key)
 
 
@@ -138,6 +146,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
     extra_args = tuple(engine.get("extraArgs", ()))
     for arg in extra_args:
         _check_no_expansion("spec.engine.extraArgs", arg)
+        _check_not_reserved(arg)
     key = spec.get("apiKeySecret")
     return InferenceServiceSpec(
         model=parse_model(spec["model"]),
@@ -163,6 +172,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
             session_affinity=router.get("sessionAffinity"),
             resources=router.get("resources", {}),
         ),
+        drain=Drain(spec["drain"]["timeoutSeconds"]),
         api_key_secret=(key["name"], key["key"]) if key else None,
     )
 
@@ -175,6 +185,22 @@ def _check_no_expansion(field: str, value: str) -> None:
             "EnvironmentExpansion",
             f"{field} {value!r} contains '$(', which Kubernetes would expand from the "
             "container's environment (its secrets included); remove it",
+        )
+
+
+# Flags the operator derives and that extraArgs may not override (argparse takes the last one):
+# the grace period is computed from the shutdown timeout the operator sets.
+RESERVED_ENGINE_ARGS = {"--shutdown-timeout": "spec.drain.timeoutSeconds"}
+
+
+def _check_not_reserved(arg: str) -> None:
+    name = arg.split("=", 1)[0]
+    if name in RESERVED_ENGINE_ARGS:
+        raise SpecError(
+            "ReservedEngineArgument",
+            f"spec.engine.extraArgs sets {name}, which the operator derives from "
+            f"{RESERVED_ENGINE_ARGS[name]} (the pods' grace period depends on it); set that "
+            "field instead",
         )
 
 

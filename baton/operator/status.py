@@ -1,8 +1,9 @@
-"""The `InferenceService` status from what really runs: ready and desired replicas per role, the
-endpoint URL, and the conditions `Ready`, `PrefillReady`, `DecodeReady`, `RouterReady`,
-`ModelNameConflict` with
-CamelCase reasons, `observedGeneration` and transition times that move only when a condition's
-status changes. Pure functions; the reconciler reads the children and writes the result.
+"""The `InferenceService` status from what really runs: per pool the desired, ready, updated and
+available replicas, the pods' revision label and whether its rollout is complete; the endpoint
+URL; and the conditions `Ready`, `PrefillReady`, `DecodeReady`, `RouterReady`,
+`RolloutComplete`, `ModelNameConflict` with CamelCase reasons, `observedGeneration` and
+transition times that move only when a condition's status changes. Pure functions; the
+reconciler reads the children and writes the result.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from baton.operator.revision import REVISION_LABEL, revision
 from baton.operator.spec import InferenceServiceSpec
 
 Manifest = dict[str, Any]
+# The reason of a Deployment's `Progressing=False` condition once it stopped making progress.
+PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 
 
 def now_iso() -> str:
@@ -20,12 +24,86 @@ def now_iso() -> str:
 
 
 def pool_status(deployment: Manifest | None) -> Manifest:
-    """Desired and ready replicas of one Deployment (0/0 while it does not exist)."""
+    """Replicas of one Deployment as its controller reports them (all 0 while it does not exist),
+    whether its rollout is complete, and its pods' revision label when they have one."""
     if deployment is None:
-        return {"desiredReplicas": 0, "readyReplicas": 0, "summary": "0/0"}
+        return {
+            "desiredReplicas": 0,
+            "readyReplicas": 0,
+            "summary": "0/0",
+            "replicas": 0,
+            "updatedReplicas": 0,
+            "availableReplicas": 0,
+            "rolloutComplete": False,
+        }
     desired = deployment.get("spec", {}).get("replicas", 1)
-    ready = deployment.get("status", {}).get("readyReplicas", 0) or 0
-    return {"desiredReplicas": desired, "readyReplicas": ready, "summary": f"{ready}/{desired}"}
+    live = deployment.get("status") or {}
+    ready = live.get("readyReplicas", 0) or 0
+    result: Manifest = {
+        "desiredReplicas": desired,
+        "readyReplicas": ready,
+        "summary": f"{ready}/{desired}",
+        "replicas": live.get("replicas", 0) or 0,
+        "updatedReplicas": live.get("updatedReplicas", 0) or 0,
+        "availableReplicas": live.get("availableReplicas", 0) or 0,
+        "rolloutComplete": rollout_waiting(deployment) is None,
+    }
+    template = deployment.get("spec", {}).get("template", {}).get("metadata", {})
+    label = (template.get("labels") or {}).get(REVISION_LABEL)
+    if label is not None:
+        result["revision"] = label
+    return result
+
+
+def rollout_waiting(deployment: Manifest | None) -> tuple[str, str] | None:
+    """What a Deployment's rollout waits for, as (reason, message), or None when it is complete.
+    The rule is `kubectl rollout status`'s: the controller has observed the current generation,
+    its progress deadline has not passed, and every wanted pod is updated and available with no
+    old pod left."""
+    if deployment is None:
+        return "RolloutInProgress", "no Deployment yet"
+    generation = deployment.get("metadata", {}).get("generation", 0) or 0
+    live = deployment.get("status") or {}
+    if (live.get("observedGeneration", 0) or 0) < generation:
+        return "RolloutInProgress", f"generation {generation} not observed yet"
+    for cond in live.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == PROGRESS_DEADLINE:
+            return PROGRESS_DEADLINE, "exceeded its progress deadline"
+    desired = deployment.get("spec", {}).get("replicas", 1)
+    replicas = live.get("replicas", 0) or 0
+    updated = live.get("updatedReplicas", 0) or 0
+    available = live.get("availableReplicas", 0) or 0
+    if updated < desired:
+        return "RolloutInProgress", f"{updated} of {desired} replicas updated"
+    if replicas > updated:
+        return "RolloutInProgress", f"{replicas - updated} old replicas pending termination"
+    if available < updated:
+        return "RolloutInProgress", f"{available} of {updated} updated replicas available"
+    return None
+
+
+def rollout_condition(
+    deployments: dict[str, Manifest | None], components: tuple[str, ...], want: str, generation: int
+) -> Manifest:
+    """`RolloutComplete`: True once every Deployment of `components` has rolled out and the
+    engine pools' pods carry the revision `want`; else which pool waits for what."""
+    waiting: list[tuple[str, str, str]] = []
+    for component in components:
+        deployment = deployments.get(component)
+        found = rollout_waiting(deployment)
+        label = pool_status(deployment).get("revision")
+        if found is None and component != "router" and label != want:
+            # Only until this pass's apply lands; the Deployment's own status then takes over.
+            found = "RolloutInProgress", f"pods of revision {label}, the spec wants {want}"
+        if found is not None:
+            waiting.append((component, *found))
+    if not waiting:
+        message = f"every pod is updated; engines run revision {want}"
+        return condition("RolloutComplete", True, "RolloutComplete", message, generation)
+    reasons = {reason for _, reason, _ in waiting}
+    reason = PROGRESS_DEADLINE if PROGRESS_DEADLINE in reasons else "RolloutInProgress"
+    message = "; ".join(f"{component}: {what}" for component, _, what in waiting)
+    return condition("RolloutComplete", False, reason, f"to revision {want}: {message}", generation)
 
 
 def condition(kind: str, ok: bool, reason: str, message: str, generation: int) -> Manifest:
@@ -78,6 +156,8 @@ def running_status(
     prefill = pool_status(deployments.get(prefill_pool))
     decode = pool_status(deployments.get(decode_pool))
     router = pool_status(deployments.get("router"))
+    want = revision(spec)
+    components = ("engine", "router") if aggregated else ("prefill", "decode", "router")
     parts = [
         _pool_condition("PrefillReady", prefill, generation, prefill_pool),
         _pool_condition("DecodeReady", decode, generation, decode_pool),
@@ -96,12 +176,18 @@ def running_status(
         "observedGeneration": generation,
         "mode": spec.mode,
         "url": url,
+        "revision": want,
         "prefill": prefill,
         "decode": decode,
         "router": router,
         "conditions": merge_conditions(
             old.get("conditions", []),
-            [ready, *parts, model_name_condition(spec, model_owner, generation)],
+            [
+                ready,
+                *parts,
+                rollout_condition(deployments, components, want, generation),
+                model_name_condition(spec, model_owner, generation),
+            ],
             now,
         ),
     }

@@ -40,6 +40,12 @@ def ready(kube: Kube) -> dict[str, Any] | None:
     return None
 
 
+def rollout_done(kube: Kube) -> bool:
+    isvc = kube.isvc(NS, "llama") or {}
+    conditions = isvc.get("status", {}).get("conditions", [])
+    return any(c["type"] == "RolloutComplete" and c["status"] == "True" for c in conditions)
+
+
 def test_apply_creates_every_child_with_owner_references(
     kube: Kube, start_operator: Callable[..., Any]
 ) -> None:
@@ -126,7 +132,8 @@ def test_edits_and_deleted_children_are_repaired(
 def test_ready_deployments_make_the_service_ready(
     kube: Kube, start_operator: Callable[..., Any]
 ) -> None:
-    """Deployment status reporting ready pods turns the conditions to Ready=True with the URL."""
+    """Deployment status reporting ready pods turns the conditions to Ready=True with the URL,
+    and once every pod is updated and available, RolloutComplete=True."""
     start_operator("--namespace", NS)
     kube.apply_isvc(NS, "llama", disaggregated())
     wait_for(lambda: children_present(kube) and ready(kube), what="children")
@@ -135,12 +142,15 @@ def test_ready_deployments_make_the_service_ready(
     assert first["reason"] == "ComponentsNotReady"
 
     for name, count in (("llama-prefill", 2), ("llama-decode", 4), ("llama-router", 1)):
-        status = {"readyReplicas": count, "replicas": count}
-        kube.patch(f"{DEPLOYMENTS}/{name}/status", {"status": status})
         if name == "llama-decode":  # as the HPA would
             kube.patch(f"{DEPLOYMENTS}/{name}", {"spec": {"replicas": 4}})
+        generation = (kube.get(f"{DEPLOYMENTS}/{name}") or {})["metadata"]["generation"]
+        status = {"readyReplicas": count, "replicas": count, "observedGeneration": generation}
+        status |= {"updatedReplicas": count, "availableReplicas": count}
+        kube.patch(f"{DEPLOYMENTS}/{name}/status", {"status": status})
 
     wait_for(lambda: (ready(kube) or {}).get("status") == "True", what="Ready=True")
+    wait_for(lambda: rollout_done(kube), what="RolloutComplete=True")
     isvc = kube.isvc(NS, "llama")
     assert isvc is not None
     status = isvc["status"]
@@ -153,6 +163,7 @@ def test_ready_deployments_make_the_service_ready(
         "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "ReplicasReady"),
         "RouterReady": ("True", "ReplicasReady"),
+        "RolloutComplete": ("True", "RolloutComplete"),
         "ModelNameConflict": ("False", "ModelNameUnique"),
     }
 

@@ -101,6 +101,8 @@ def test_labels_selectors_and_headless_services() -> None:
     children = build(BASE)
     decode = children[("Deployment", "llama-decode")]
     pod_labels = decode["spec"]["template"]["metadata"]["labels"]
+    revision = pod_labels.pop("baton.dev/revision")  # tests/operator/test_rollout.py
+    assert len(revision) == 10
     assert pod_labels == {
         "app.kubernetes.io/name": "baton",
         "app.kubernetes.io/instance": "llama",
@@ -209,8 +211,8 @@ def test_pool_fields_reach_the_pod() -> None:
 
 
 def test_probes_drain_and_grace_period() -> None:
-    """Engines get /health probes, a preStop pause and a grace period that covers the drain
-    and the KV lease."""
+    """Engines get /health probes, a preStop pause and a grace period that covers the drain,
+    and on prefill (which holds the leases) the KV lease too."""
     spec = BASE | {"kvTransfer": {"leaseSeconds": 60}}
     deployment = build(spec)[("Deployment", "llama-decode")]
     pod = deployment["spec"]["template"]["spec"]
@@ -218,7 +220,9 @@ def test_probes_drain_and_grace_period() -> None:
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert engine["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
-    assert pod["terminationGracePeriodSeconds"] >= 60 + 120
+    assert pod["terminationGracePeriodSeconds"] >= 10 + 120
+    prefill = build(spec)[("Deployment", "llama-prefill")]["spec"]["template"]["spec"]
+    assert prefill["terminationGracePeriodSeconds"] >= 10 + 120 + 60
 
 
 def test_model_fetch_per_scheme() -> None:

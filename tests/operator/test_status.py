@@ -27,13 +27,22 @@ def test_all_pools_ready() -> None:
     live = {"prefill": deployment(2, 2), "decode": deployment(4, 3), "router": deployment(1, 1)}
     status = running_status(isvc(), SPEC, live, "http://s.n.svc", "T1")
     assert status["observedGeneration"] == 4 and status["url"] == "http://s.n.svc"
-    assert status["prefill"] == {"desiredReplicas": 2, "readyReplicas": 2, "summary": "2/2"}
+    assert status["prefill"] == {
+        "desiredReplicas": 2,
+        "readyReplicas": 2,
+        "summary": "2/2",
+        "replicas": 0,  # the rollout fields: tests/operator/test_rollout.py
+        "updatedReplicas": 0,
+        "availableReplicas": 0,
+        "rolloutComplete": False,
+    }
     assert status["decode"]["summary"] == "3/4"
     assert conditions(status) == {
         "Ready": ("True", "AllComponentsReady"),
         "PrefillReady": ("True", "ReplicasReady"),
         "DecodeReady": ("True", "PartiallyReady"),
         "RouterReady": ("True", "ReplicasReady"),
+        "RolloutComplete": ("False", "RolloutInProgress"),
         "ModelNameConflict": ("False", "ModelNameUnique"),
     }
 
