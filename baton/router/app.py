@@ -89,7 +89,7 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
 
     @app.get("/engines")
     async def engines() -> Response:
-        return _json({"engines": router.describe()})
+        return _json({"engines": router.describe(), "models": router.describe_models()})
 
     @app.get("/metrics")
     async def metrics_route() -> Response:

@@ -37,8 +37,15 @@ class EngineState:
     scraped_load: float = 0.0
     in_flight_at_scrape: int = 0
     kv_cache_usage: float = 0.0
-    # From /health: KV blocks move only between engines of equal tensor_parallel_size.
-    tensor_parallel_size: int | None = None  # None: not known (yet)
+    # From /health: KV blocks move only between engines that agree on what they mean: equal
+    # tensor_parallel_size and equal compatibility fingerprint (one digest of model config,
+    # weights, dtype, block size, KV layout, tokenizer and template, wire version). None: not
+    # known (yet, or an engine of an older Baton that does not say).
+    tensor_parallel_size: int | None = None
+    fingerprint: str | None = None
+    compatibility: dict[str, str | int | float | bool] = field(default_factory=dict)  # its parts
+    # A warning said this (decode) engine has no compatible prefill engine; cleared when it has.
+    warned_unpaired: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint.model is not None and not self.models:
@@ -58,10 +65,12 @@ class EngineState:
         return self.healthy and not ejected and bool(self.models)
 
     def can_pair_with(self, other: EngineState) -> bool:
-        """Whether a KV hand-off between the two can work: equal tensor-parallel layouts, or
-        one not known (the engine then refuses a mismatch with a 400)."""
-        mine, theirs = self.tensor_parallel_size, other.tensor_parallel_size
-        return mine is None or theirs is None or mine == theirs
+        """Whether a KV hand-off between the two can work: equal tensor-parallel sizes and
+        equal fingerprints, each where both engines say (an engine refuses a mismatch it sees
+        with a 400; one that says nothing pairs as engines did before fingerprints)."""
+        return _agree(self.tensor_parallel_size, other.tensor_parallel_size) and _agree(
+            self.fingerprint, other.fingerprint
+        )
 
     def load(self) -> float:
         """Requests on the engine: the scraped count, corrected by what changed since."""
@@ -109,3 +118,19 @@ class EngineSet:
         """Engines serving `model` in one of `roles` that may take a request now."""
         now = time.monotonic()
         return [s for s in self.of_model(model, roles) if s.available(now)]
+
+    def disaggregated_models(self) -> list[str]:
+        """Every model some known prefill or decode engine serves, sorted."""
+        roles = ("prefill", "decode")
+        return sorted({m for s in self._engines.values() if s.role in roles for m in s.models})
+
+    def compatible_pairs(self, model: str) -> int:
+        """How many (prefill, decode) pairs of available engines of `model` can hand off KV."""
+        decodes = self.available(model, DECODE_ROLES)
+        return sum(
+            p.can_pair_with(d) for p in self.available(model, PREFILL_ROLES) for d in decodes
+        )
+
+
+def _agree(mine: object, theirs: object) -> bool:
+    return mine is None or theirs is None or mine == theirs

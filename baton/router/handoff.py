@@ -12,7 +12,10 @@ The decode engine is chosen first, because whether to do step 1 at all depends o
   several prompts): `decode_only_fallback`;
 - a prompt estimated under `disagg_min_tokens` skips step 1: `skipped_short`;
 - a prompt whose blocks the decode engine mostly holds already skips step 1: `skipped_cached`;
-- no prefill engine available, or every prefill attempt failed: `on_no_prefill` decides,
+- no prefill engine available, none that can hand KV to the decode engine (unequal
+  tensor_parallel_size or compatibility fingerprint, each where both engines say; a decode
+  engine that can pair is chosen first when there is one), or every prefill attempt failed:
+  `on_no_prefill` decides,
   `decode` serves it on the decode engine alone (`decode_only_fallback`), `fail` answers 503
   (`failed`);
 - otherwise `disaggregated`. Every request counts exactly one outcome in
@@ -65,7 +68,12 @@ class Handoff:
 
     async def serve(self, routed: Routed) -> Response:
         router, config = self.router, self.config
-        decode = router.choose(routed, DECODE_ROLES, router.decode_policy)
+        prefills = router.engines.available(routed.model, PREFILL_ROLES)
+        # A decode engine no prefill engine can hand KV to (a rollout's new engines up before
+        # their prefill counterparts) serves only when no decode engine can pair.
+        decode = router.choose(
+            routed, DECODE_ROLES, router.decode_policy, prefer_pairs_with=prefills
+        )
         if decode is None:
             self._count("failed", routed, "no decode engine")
             raise APIError(503, f"no healthy decode engine serves the model `{routed.model}`")
@@ -76,18 +84,15 @@ class Handoff:
             return await self._decode(routed, decode, "skipped_short", "short prompt")
         if self._cached_fraction(routed, decode) >= config.disagg_cached_fraction:
             return await self._decode(routed, decode, "skipped_cached", "cached on decode")
-        prefills = router.engines.available(routed.model, PREFILL_ROLES)
         if not prefills:
             return await self._no_prefill(
                 routed, decode, f"no healthy prefill engine serves the model `{routed.model}`"
             )
         if not any(p.can_pair_with(decode) for p in prefills):
-            return await self._no_prefill(
-                routed,
-                decode,
-                f"no healthy prefill engine of the model `{routed.model}` has the decode "
-                f"engine's tensor_parallel_size {decode.tensor_parallel_size}",
-            )
+            return await self._no_prefill(routed, decode, self._unpaired(routed, decode, prefills))
+        if decode.warned_unpaired:
+            decode.warned_unpaired = False
+            logger.info("decode engine %s has a compatible prefill engine again", decode.url)
         try:
             answer = await router.upstream.send(
                 routed.route,
@@ -132,6 +137,30 @@ class Handoff:
             return 0.0
         matched = self.router.index.match(hashes, (decode.url,))
         return matched.get(decode.url, 0) / len(hashes)
+
+    def _unpaired(self, routed: Routed, decode: EngineState, prefills: list[EngineState]) -> str:
+        """Why no prefill engine can hand KV to `decode` (for the client and the 503); the
+        first time for this decode engine, a warning with what differs, for the operator."""
+        why = (
+            f"no healthy prefill engine of the model `{routed.model}` has the decode engine's "
+            f"tensor_parallel_size {decode.tensor_parallel_size} and fingerprint "
+            f"{decode.fingerprint}: KV blocks move only between engines that agree"
+        )
+        if not decode.warned_unpaired:
+            decode.warned_unpaired = True
+            theirs = sorted({f"{p.fingerprint} (tp {p.tensor_parallel_size})" for p in prefills})
+            differ = sorted(
+                {k for p in prefills for k in {*p.compatibility, *decode.compatibility}
+                 if p.compatibility.get(k) != decode.compatibility.get(k)}
+            )  # fmt: skip
+            logger.warning(
+                "model %s: no compatible prefill engine for decode engine %s (fingerprint %s, "
+                "tp %s); prefill engines have %s%s; its requests follow --on-no-prefill=%s",
+                routed.model, decode.url, decode.fingerprint, decode.tensor_parallel_size,
+                ", ".join(theirs), f", differing in {', '.join(differ)}" if differ else "",
+                self.config.on_no_prefill,
+            )  # fmt: skip
+        return why
 
     async def _no_prefill(self, routed: Routed, decode: EngineState, why: str) -> Response:
         if self.config.on_no_prefill == "decode":

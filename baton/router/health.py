@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
+# Bounds on what /health may make the router keep and show: a fingerprint is 32 hex digits
+# today; its parts are a dozen short values.
+MAX_FINGERPRINT = 128
+MAX_PARTS, MAX_PART = 32, 128
 
 
 def parse_load(text: str) -> tuple[float, float]:
@@ -110,7 +114,7 @@ class HealthMonitor:
             ok = status == 200
             why = f"/health answered {status}"
             if ok:
-                state.tensor_parallel_size = _tensor_parallel_size(body)
+                read_compatibility(state, body)
             if ok and not state.cards:
                 await self._fetch_models(state)
                 ok = bool(state.models)
@@ -190,10 +194,34 @@ class HealthMonitor:
         self.metrics.ejection(state.url)
 
 
-def _tensor_parallel_size(health: bytes) -> int | None:
-    """The engine's tensor_parallel_size from its /health answer, if it says."""
+def read_compatibility(state: EngineState, health: bytes) -> None:
+    """Sets what `state.can_pair_with` compares from the engine's /health answer: its
+    tensor_parallel_size, its fingerprint and the fingerprint's parts; each None (or empty)
+    when the answer does not say, or says something malformed."""
     try:
-        size = json.loads(health).get("tensor_parallel_size")
-    except (ValueError, AttributeError):
-        return None
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+        body = json.loads(health)
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {}
+    size = body.get("tensor_parallel_size")
+    ok_size = isinstance(size, int) and not isinstance(size, bool) and size > 0
+    state.tensor_parallel_size = size if ok_size else None
+    fingerprint = body.get("fingerprint")
+    ok_fingerprint = isinstance(fingerprint, str) and 0 < len(fingerprint) <= MAX_FINGERPRINT
+    previous, state.fingerprint = state.fingerprint, fingerprint if ok_fingerprint else None
+    if state.fingerprint != previous and previous is not None:
+        logger.info(
+            "engine %s (%s) changed fingerprint %s -> %s",
+            state.url, state.role, previous, state.fingerprint,
+        )  # fmt: skip
+    parts = body.get("compatibility")
+    state.compatibility = (
+        {
+            str(k)[:MAX_PART]: v if not isinstance(v, str) else v[:MAX_PART]
+            for k, v in list(parts.items())[:MAX_PARTS]
+            if isinstance(v, str | int | float | bool)
+        }
+        if isinstance(parts, dict)
+        else {}
+    )

@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (`GET /metrics`), all under `baton:router_*`.
 
 Counters and histograms are fed as requests pass; per-engine gauges (in flight, healthy, load)
-are read from the `EngineSet` at scrape time. Each router has its own registry.
+and per-model ones (compatible prefill/decode pairs) are read from the `EngineSet` at scrape
+time. Each router has its own registry.
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ class _EngineGauges(Collector):
         yield in_flight
         yield healthy
         yield load
+        # A gauge, not a counter of requests that found no pair: whether disaggregation can
+        # work is a state of the fleet (alert on 0 while a model has prefill engines, during a
+        # rollout say), true before any request comes; the requests it costs are counted by
+        # outcome already (decode_only_fallback, failed).
+        pairs = GaugeMetricFamily(
+            "baton:router_compatible_pairs",
+            "Pairs of available prefill and decode engines of the model that may hand off KV "
+            "(equal fingerprint and tensor_parallel_size where both engines say); 0: none.",
+            labels=["model"],
+        )
+        for model in self._engines.disaggregated_models():
+            pairs.add_metric([model], self._engines.compatible_pairs(model))
+        yield pairs
 
 
 class RouterMetrics:

@@ -2,12 +2,13 @@
 prefix-aware, and session affinity on top of any of them.
 
 A policy is given only available candidates (never an empty list) and returns one of them; it
-does no I/O. Ties are broken by a rotating counter, so equal engines share the work.
+does no I/O. Ties go to the least recently taken candidate, so equal engines share the work.
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -31,19 +32,28 @@ class Policy(Protocol):
 
 
 class RoundRobin:
-    """Each candidate in turn; the other policies take turns like this among their ties."""
+    """Each candidate in turn; the other policies take turns like this among their ties.
+
+    The turn is the least recently taken candidate, not a counter modulo the candidates: the
+    candidates differ from one request to the next (only the engines that can pair with the
+    chosen decode engine, say), and a shared counter over varying lists can land on the same
+    engine of a list every time it is offered.
+    """
 
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._next = 0
+        self._picks = 0
+        # engine -> the pick number it was last taken at; weak, so engines that leave go too
+        self._taken: weakref.WeakKeyDictionary[EngineState, int] = weakref.WeakKeyDictionary()
 
     def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
         return self._take(candidates)
 
     def _take(self, candidates: Sequence[EngineState]) -> EngineState:
-        choice = candidates[self._next % len(candidates)]
-        self._next += 1
+        choice = min(candidates, key=lambda s: self._taken.get(s, -1))
+        self._picks += 1
+        self._taken[choice] = self._picks
         return choice
 
 

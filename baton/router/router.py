@@ -26,7 +26,14 @@ from baton.http_server import ClientGone, cancel_on_disconnect
 from baton.roles import Role
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, Endpoint
-from baton.router.engines import AGGREGATED_ROLES, ALL_ROLES, EngineSet, EngineState
+from baton.router.engines import (
+    AGGREGATED_ROLES,
+    ALL_ROLES,
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    EngineSet,
+    EngineState,
+)
 from baton.router.handoff import Handoff
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
@@ -207,14 +214,19 @@ class Router:
         policy: Policy,
         exclude: Collection[str] = (),
         pair: EngineState | None = None,
+        prefer_pairs_with: Collection[EngineState] = (),
     ) -> EngineState | None:
         """The engine `policy` (or the session) picks among the available ones of `roles`
-        (those that can hand KV to or from `pair`, when given)."""
+        (those that can hand KV to or from `pair`, when given); among those, only the ones that
+        can pair with one of `prefer_pairs_with`, when there are any."""
         candidates = [
             s
             for s in self.engines.available(routed.model, roles)
             if s.url not in exclude and (pair is None or s.can_pair_with(pair))
         ]
+        if prefer_pairs_with:
+            paired = [s for s in candidates if any(s.can_pair_with(o) for o in prefer_pairs_with)]
+            candidates = paired or candidates
         if not candidates:
             return None
         if routed.session_id is not None:
@@ -322,6 +334,25 @@ class Router:
                     cards[model] = card or {"id": model, "object": "model", "owned_by": "baton"}
         return {"object": "list", "data": [cards[m] for m in sorted(cards)]}
 
+    def _pairs_with(self, state: EngineState, now: float) -> list[str]:
+        """The available engines `state` could hand KV to or take it from, by URL."""
+        others = DECODE_ROLES if state.role == "prefill" else PREFILL_ROLES
+        return [
+            o.url
+            for model in state.models
+            for o in self.engines.of_model(model, others)
+            if o.available(now) and o.can_pair_with(state)
+        ]
+
+    def describe_models(self) -> dict[str, dict[str, Any]]:
+        """GET /engines, per disaggregated model: whether a compatible prefill/decode pair of
+        available engines exists, and how many."""
+        out = {}
+        for model in self.engines.disaggregated_models():
+            pairs = self.engines.compatible_pairs(model)
+            out[model] = {"compatible_pairs": pairs, "compatible_pair": pairs > 0}
+        return out
+
     def describe(self) -> list[dict[str, Any]]:
         """GET /engines: what the router knows of each engine (for people and tests)."""
         now = time.monotonic()
@@ -334,6 +365,9 @@ class Router:
                 "available": s.available(now),
                 "in_flight": s.in_flight,
                 "tensor_parallel_size": s.tensor_parallel_size,
+                "fingerprint": s.fingerprint,
+                "compatibility": s.compatibility,
+                "pairs_with": self._pairs_with(s, now),
                 "load": s.load(),
                 "consecutive_failures": s.consecutive_failures,
                 "prefix_index_blocks": self.index.num_blocks(s.url),

@@ -23,6 +23,15 @@ def test_round_robin_takes_turns() -> None:
     assert picks == [e.url for e in engines] * 2
 
 
+def test_round_robin_takes_turns_when_the_candidates_vary() -> None:
+    """Candidates that change between requests (the engines that can pair with each chosen
+    decode engine) still take turns: alternating [a, b] and [c] does not starve b."""
+    a, b, c = _engines(3)
+    policy = RoundRobin()
+    picks = [policy.choose([a, b] if i % 2 == 0 else [c], Prompt()) for i in range(8)]
+    assert Counter(p.url for p in picks[::2]) == {a.url: 2, b.url: 2}
+
+
 def test_least_load_corrects_scrapes_by_in_flight_counts() -> None:
     """The scraped load is corrected by requests sent and finished since the scrape."""
     a, b = _engines(2)

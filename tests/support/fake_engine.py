@@ -34,6 +34,7 @@ class Lease:
     engine_id: str
     prompt_key: int
     expires_at: float
+    fingerprint: str | None = None  # the prefill engine's, as a real engine signs it in
     read: bool = False
 
 
@@ -91,6 +92,9 @@ class FakeEngine:
         self.waiting = 0.0
         self.omit_kv_params = False  # a prefill engine that forgets its half of the contract
         self.tensor_parallel_size: int | None = None  # said in /health when set
+        # Said in /health when set; a decode engine refuses a lease of another fingerprint, as
+        # a real one does (it would read blocks that mean something else).
+        self.fingerprint: str | None = None
         # -- what happened --
         self.requests: list[dict[str, Any]] = []  # generation request bodies, in order
         self.tokenize_requests: list[dict[str, Any]] = []  # /tokenize bodies, in order
@@ -98,6 +102,7 @@ class FakeEngine:
         self.disconnects = 0  # streams whose client left early
         self.prefills = 0  # requests answered as a prefill for a remote decode
         self.remote_decodes = 0  # requests decoded after reading a remote prefill's lease
+        self.read_from: list[str] = []  # the engine id of each lease read, in order
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.generate, methods=["POST"]),
@@ -113,10 +118,16 @@ class FakeEngine:
     # -- routes --
 
     async def health(self, _: Request) -> Response:
-        if self.tensor_parallel_size is None:
-            return Response(status_code=200 if self.healthy else 503)
-        body = {"status": "ok", "tensor_parallel_size": self.tensor_parallel_size}
-        return JSONResponse(body, status_code=200 if self.healthy else 503)
+        status = 200 if self.healthy else 503
+        if self.tensor_parallel_size is None and self.fingerprint is None:
+            return Response(status_code=status)  # an engine of an older Baton says nothing
+        body: dict[str, Any] = {"status": "ok"}
+        if self.tensor_parallel_size is not None:
+            body["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.fingerprint is not None:
+            body["fingerprint"] = self.fingerprint
+            body["compatibility"] = {"weights": self.fingerprint[:8], "block_size": 16}
+        return JSONResponse(body, status_code=status)
 
     async def models(self, _: Request) -> Response:
         card = {"id": self.model, "object": "model", "owned_by": "fake", "root": f"/{self.model}"}
@@ -220,7 +231,7 @@ class FakeEngine:
         self.prefills += 1
         request_id = uuid.uuid4().hex
         expires = time.time() + 30
-        self.board.leases[request_id] = Lease(self.engine_id, key, expires)
+        self.board.leases[request_id] = Lease(self.engine_id, key, expires, self.fingerprint)
         return {
             "remote_engine_id": self.engine_id,
             "remote_host": "127.0.0.1",
@@ -239,8 +250,12 @@ class FakeEngine:
             return "kv_transfer_params name another engine's or another prompt's lease"
         if lease.read:
             return "the lease was read already"
+        mine, theirs = self.fingerprint, lease.fingerprint
+        if mine is not None and theirs is not None and mine != theirs:
+            return f"the prefill engine's fingerprint {theirs} is not this engine's {mine}"
         lease.read = True
         self.remote_decodes += 1
+        self.read_from.append(lease.engine_id)
         return None
 
     # -- streaming --
