@@ -25,6 +25,7 @@ from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.tokenizer import Tokenizer
 from baton.errors import APIError
+from baton.kv_transfer.fingerprint import Fingerprint
 
 SCRIPT = "hello world, the baton passes on. "  # what the fake model writes, over and over
 
@@ -171,6 +172,7 @@ class FakeLLM:
         self.args = EngineArgs()
         self.kv_transport: str | None = None
         self.kv_ports: list[int] | None = None
+        self.fingerprint: Fingerprint | None = None
         self.stats = EngineStats()
         self.dead_error: Exception | None = None
         self.aborted: list[str] = []
