@@ -104,7 +104,13 @@ async def until(check: Callable[[], Any], timeout: float = 5.0, what: str = "it"
 
 
 def reason_is(kube: Kube, reason: str) -> Callable[[], dict[str, Any] | None]:
-    return lambda: (c := kv_ready(kube)) and c["reason"] == reason and c or None
+    """A check for `until`: the KVPathReady condition once it has `reason`."""
+
+    def check() -> dict[str, Any] | None:
+        found = kv_ready(kube)
+        return found if found.get("reason") == reason else None
+
+    return check
 
 
 def test_a_failed_pull_then_a_working_pair(kube: Kube, tmp_path: Path, pair: Pair) -> None:
