@@ -24,6 +24,7 @@ PLURALS = {
     "RoleBinding": "rolebindings",
     "NetworkPolicy": "networkpolicies",
     "Secret": "secrets",
+    "EndpointSlice": "endpointslices",
     "Event": "events",
 }
 APPLY_PATCH = "application/apply-patch+yaml"

@@ -7,12 +7,17 @@ import argparse
 import asyncio
 import logging
 import os
+from pathlib import Path
 
 import kopf
 
 from baton.kube import load_configuration
+from baton.operator.canary import CanaryConfig
 from baton.operator.handlers import Controller, register
 from baton.operator.resources import NetworkAccess
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+DEFAULT_NAMESPACE = "baton-system"
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +50,32 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="namespace whose pods may scrape the engines' HTTP port ('': none)",
     )
     parser.add_argument(
+        "--operator-namespace",
+        default=None,
+        help="namespace of the operator's own pods (app.kubernetes.io/component=operator), which "
+        "the engines' NetworkPolicy lets in for the KV canary (default: the namespace this pod "
+        "runs in, else baton-system)",
+    )
+    parser.add_argument(
+        "--gateway-url",
+        default="",
+        help="the cluster gateway's URL, said in the status of every service it serves "
+        "('': no gateway)",
+    )
+    parser.add_argument(
+        "--kv-canary-seconds",
+        type=float,
+        default=60.0,
+        help="run a canary KV hand-off between each disaggregated service's pools this often "
+        "(KVPathReady; 0: never, and no KVPathReady)",
+    )
+    parser.add_argument(
+        "--kv-canary-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one canary hand-off may take before it counts as failed",
+    )
+    parser.add_argument(
         "--health-port",
         type=int,
         default=8080,
@@ -58,6 +89,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def own_namespace() -> str:
+    """The namespace of the pod this runs in (its service account's), else baton-system."""
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or DEFAULT_NAMESPACE
+    except OSError:
+        return DEFAULT_NAMESPACE
+
+
 def run(args: argparse.Namespace) -> int:
     asyncio.run(_operate(args))
     return 0
@@ -69,10 +108,21 @@ async def _operate(args: argparse.Namespace) -> None:
         _, default = await load_configuration(args.kubeconfig)
         namespaces = (default,)
     access = NetworkAccess(
-        args.gateway_namespace, monitoring_namespace=args.monitoring_namespace or None
+        args.gateway_namespace,
+        monitoring_namespace=args.monitoring_namespace or None,
+        operator_namespace=args.operator_namespace or own_namespace(),
     )
+    canary = None
+    if args.kv_canary_seconds > 0:
+        canary = CanaryConfig(args.kv_canary_seconds, args.kv_canary_timeout)
     controller = Controller(
-        args.kubeconfig, namespaces, args.default_image, args.resync_seconds, access
+        args.kubeconfig,
+        namespaces,
+        args.default_image,
+        args.resync_seconds,
+        access,
+        canary,
+        args.gateway_url or None,
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.

@@ -266,6 +266,27 @@ POOL_STATUS: Schema = _obj(
     },
     "Replicas of one Deployment.",
 )
+KV_PATH_STATUS: Schema = _obj(
+    {
+        "transport": {
+            "type": "string",
+            "description": "The transport the decode engine's /health says it uses.",
+        },
+        "requestedTransport": {"type": "string", "description": "spec.kvTransfer.transport."},
+        "succeeded": {"type": "boolean"},
+        "bytes": {"type": "integer", "description": "KV bytes the canary's pull moved."},
+        "gbPerSecond": {
+            "type": "number",
+            "description": "Bytes over seconds of the pull (the decode engine's metrics).",
+        },
+        "latencyMs": {"type": "number", "description": "Time of the pull (else of step 2)."},
+        "lastCheckTime": {"type": "string", "format": "date-time"},
+        "consecutiveFailures": {"type": "integer"},
+        "prefillEngine": {"type": "string", "description": "host:port of the prefill engine."},
+        "decodeEngine": {"type": "string", "description": "host:port of the decode engine."},
+    },
+    "The last canary KV hand-off between a ready prefill and a ready decode engine.",
+)
 STATUS: Schema = _obj(
     {
         "observedGeneration": {"type": "integer"},
@@ -275,9 +296,14 @@ STATUS: Schema = _obj(
             "type": "string",
             "description": "The engine pods' baton.dev/revision label the spec asks for.",
         },
+        "gatewayUrl": {
+            "type": "string",
+            "description": "The cluster gateway, which serves this model too (by its name).",
+        },
         "prefill": POOL_STATUS,
         "decode": POOL_STATUS,
         "router": POOL_STATUS,
+        "kvPath": KV_PATH_STATUS,
         "conditions": {
             "type": "array",
             "items": _obj(
@@ -310,6 +336,12 @@ PRINTER_COLUMNS = [
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary"},
     {"name": "URL", "type": "string", "jsonPath": ".status.url"},
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
+    {
+        "name": "KVPath",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="KVPathReady")].reason',
+        "priority": 1,
+    },
     {
         "name": "Rollout",
         "type": "string",

@@ -18,6 +18,7 @@ import kopf
 from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
 from baton.operator.api import PLURALS, Api
+from baton.operator.canary import CanaryConfig
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
 from baton.operator.resources import MANAGED_BY_LABEL, MANAGER, NetworkAccess
 
@@ -33,6 +34,8 @@ class Controller:
     default_image: str = ""
     resync_seconds: float = 300.0
     access: NetworkAccess = field(default_factory=NetworkAccess)
+    canary: CanaryConfig | None = field(default_factory=CanaryConfig)  # None: no KV canary
+    gateway_url: str | None = None
     reconciler: Reconciler | None = None
     _cluster: Cluster | None = None
     _resync: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -40,7 +43,12 @@ class Controller:
     async def start(self) -> None:
         self._cluster = await connect(self.kubeconfig)
         self.reconciler = Reconciler(
-            Api(self._cluster), self.default_image, access=self.access, namespaces=self.namespaces
+            Api(self._cluster),
+            self.default_image,
+            access=self.access,
+            namespaces=self.namespaces,
+            canary=self.canary,
+            gateway_url=self.gateway_url,
         )
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop(self.reconciler))
 

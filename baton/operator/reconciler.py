@@ -31,6 +31,7 @@ from kubernetes_asyncio.dynamic.exceptions import ConflictError, NotFoundError
 from baton.kube import ISVC_LABEL
 from baton.operator import crd
 from baton.operator.api import Api
+from baton.operator.canary import Canary, CanaryConfig, Target, kv_path, kv_path_ready
 from baton.operator.events import event_body
 from baton.operator.pods import KV_SECRET_KEY
 from baton.operator.resources import (
@@ -42,6 +43,7 @@ from baton.operator.resources import (
     fresh_kv_secret_data,
     service_url,
 )
+from baton.operator.revision import revision
 from baton.operator.spec import InferenceServiceSpec, parse_spec
 from baton.operator.status import failed_status, now_iso, ready_condition, running_status
 from baton.operator.validation import SpecError
@@ -69,6 +71,8 @@ CHILD_KINDS: dict[str, str] = {
 PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
 # The field manager that keeps a Deployment's `spec.replicas` while an HPA takes it over.
 HANDOFF_MANAGER = "baton-operator-handoff"
+# `KVPathReady` reasons worth a Warning Event when they begin.
+KV_FAULTS = ("CanaryHandOffFailed", "IncompatibleEngines", "TransportFellBack")
 
 
 class ChildConflict(Exception):
@@ -107,6 +111,15 @@ class Reconciler:
     # "expectations"). Any other version, or a deletion, still triggers one.
     _written: dict[tuple[str, str, str], str] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # None: no KV path canary (and no `KVPathReady`).
+    canary: CanaryConfig | None = None
+    # The cluster gateway's URL, said in the status of every service it serves (None: none).
+    gateway_url: str | None = None
+    _canary: Canary | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.canary is not None:
+            self._canary = Canary(self.api, self.canary, self.trigger)
 
     async def trigger(self, namespace: str, name: str) -> None:
         """Reconciles now, or once more after the pass in progress. Never raises."""
@@ -135,6 +148,8 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         """Drops a deleted service (its children go with it through owner references)."""
+        if self._canary is not None:
+            self._canary.forget((namespace, name))
         self._settled.pop((namespace, name), None)
         self._model_owners.pop((namespace, name), None)
         state = self._states.pop((namespace, name), None)
@@ -151,6 +166,8 @@ class Reconciler:
                 state.retry.cancel()
         for task in list(self._tasks):
             task.cancel()
+        if self._canary is not None:
+            await self._canary.close()
 
     async def _attempt(self, key: Key, state: _KeyState) -> None:
         if state.retry is not None:
@@ -216,8 +233,40 @@ class Reconciler:
                 router_service = live
         url = service_url(isvc, router_service)
         holder = f"{owner[0]}/{owner[1]}" if owner else None
-        status = running_status(isvc, spec, deployments, url, now_iso(), holder)
+        kv_ready, kv = self._kv_status(isvc, spec, deployments)
+        status = running_status(
+            isvc, spec, deployments, url, now_iso(), holder, kv_ready, kv, self.gateway_url
+        )
         await self._write_status(isvc, status)
+
+    def _kv_status(
+        self, isvc: Manifest, spec: InferenceServiceSpec, deployments: dict[str, Manifest | None]
+    ) -> tuple[Manifest | None, Manifest | None]:
+        """Starts, keeps or stops the service's canary; `KVPathReady` and `kvPath` from its
+        last check (both None without a canary or in aggregated mode)."""
+        meta = isvc["metadata"]
+        key = (meta["namespace"], meta["name"])
+        if self._canary is None or spec.mode != "disaggregated":
+            if self._canary is not None:
+                self._canary.forget(key)
+            return None, None
+        ready = all(
+            ((deployments.get(pool) or {}).get("status") or {}).get("readyReplicas", 0)
+            for pool in ("prefill", "decode")
+        )
+        target = Target(
+            *key,
+            spec.model.served_model_name,
+            spec.kv_transfer.transport,
+            spec.api_key_secret,
+            revision(spec),
+        )
+        self._canary.watch(key, target if ready else None)
+        old = isvc.get("status") or {}
+        check = self._canary.last(key)
+        generation = meta.get("generation", 0)
+        condition = kv_path_ready(check, ready, ready_condition(old, "KVPathReady"), generation)
+        return condition, kv_path(check, old.get("kvPath"))
 
     async def _model_owner(self, isvc: Manifest, spec: InferenceServiceSpec) -> Key | None:
         """The earliest other service (creationTimestamp, then namespace and name, so every
@@ -331,6 +380,10 @@ class Reconciler:
             if after["reason"] == "ComponentsNotReady":
                 kind = "Normal"  # starting up or scaling is not a fault
             events.append((kind, after["reason"], after.get("message", "")))
+        kv_before = ready_condition(old, "KVPathReady") or {}
+        kv_after = ready_condition(status, "KVPathReady") or {}
+        if kv_after.get("reason") in KV_FAULTS and kv_before.get("reason") != kv_after["reason"]:
+            events.append(("Warning", kv_after["reason"], kv_after.get("message", "")))
         conflict = ready_condition(status, "ModelNameConflict")
         if conflict and conflict["status"] == "True":
             was = ready_condition(old, "ModelNameConflict")

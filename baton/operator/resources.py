@@ -49,18 +49,23 @@ MAX_NAME_LENGTH = 63 - len("-prefill")
 
 @dataclass(frozen=True)
 class NetworkAccess:
-    """Who besides the service's own router may reach its engines' HTTP port: the gateway's pods
-    and a monitoring namespace (operator flags: the cluster's admin decides, not a spec)."""
+    """Who besides the service's own router may reach its engines' HTTP port: the gateway's pods,
+    a monitoring namespace, and the operator's own pods, whose KV canary talks to the engines
+    (operator flags: the cluster's admin decides, not a spec)."""
 
     gateway_namespace: str = "baton-system"
     gateway_labels: dict[str, str] = field(
         default_factory=lambda: {NAME_LABEL: "baton-gateway", COMPONENT_LABEL: "gateway"}
     )
     monitoring_namespace: str | None = "monitoring"  # None: no scraping from outside
+    operator_namespace: str = "baton-system"
+    operator_labels: dict[str, str] = field(default_factory=lambda: {COMPONENT_LABEL: "operator"})
 
     def __post_init__(self) -> None:
         if not self.gateway_namespace or not self.gateway_labels:
             raise ValueError("the gateway's namespace and pod labels must not be empty")
+        if not self.operator_namespace or not self.operator_labels:
+            raise ValueError("the operator's namespace and pod labels must not be empty")
 
 
 def check_name(name: str) -> None:
@@ -237,7 +242,8 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
 
 
 def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkAccess) -> Manifest:
-    """Engine HTTP only from this service's router, the gateway and monitoring; KV ports (TCP
+    """Engine HTTP only from this service's router, the gateway, the operator (its KV canary)
+    and monitoring; KV ports (TCP
     blocks and NIXL's side channel, one port per tensor-parallel rank) only from this service's
     decode engines, the only pods that pull KV blocks."""
     name = isvc["metadata"]["name"]
@@ -252,6 +258,10 @@ def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkA
         {
             "namespaceSelector": namespace(access.gateway_namespace),
             "podSelector": {"matchLabels": dict(access.gateway_labels)},
+        },
+        {
+            "namespaceSelector": namespace(access.operator_namespace),
+            "podSelector": {"matchLabels": dict(access.operator_labels)},
         },
     ]
     if access.monitoring_namespace:

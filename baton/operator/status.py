@@ -1,8 +1,9 @@
 """The `InferenceService` status from what really runs: per pool the desired, ready, updated and
 available replicas, the pods' revision label and whether its rollout is complete; the endpoint
-URL; and the conditions `Ready`, `PrefillReady`, `DecodeReady`, `RouterReady`,
-`RolloutComplete`, `ModelNameConflict` with CamelCase reasons, `observedGeneration` and
-transition times that move only when a condition's status changes. Pure functions; the
+URL (and the gateway's); and the conditions `Ready`, `PrefillReady`, `DecodeReady`,
+`RouterReady`, `RolloutComplete`, `ModelNameConflict` (and the canary's `KVPathReady`) with
+CamelCase reasons, `observedGeneration` and transition times that move only when a condition's
+status changes. Pure functions; the
 reconciler reads the children and writes the result.
 """
 
@@ -145,10 +146,15 @@ def running_status(
     url: str,
     now: str,
     model_owner: str | None = None,
+    kv_ready: Manifest | None = None,
+    kv_path: Manifest | None = None,
+    gateway_url: str | None = None,
 ) -> Manifest:
     """Status of a valid spec; `deployments` maps component ("prefill", "decode", "engine",
     "router") to the live Deployment or None; `model_owner` is the "namespace/name" of an
-    earlier service that serves the same model name, if any."""
+    earlier service that serves the same model name, if any; `kv_ready` and `kv_path` the
+    canary's `KVPathReady` and `kvPath` (None: no canary; both are left out); `gateway_url`
+    the cluster gateway's, which serves the model too unless another service holds its name."""
     generation = isvc["metadata"].get("generation", 0)
     # One pool does both jobs when aggregated, so it stands for prefill and for decode alike.
     aggregated = spec.mode == "aggregated"
@@ -169,10 +175,19 @@ def running_status(
             "Ready", False, "ComponentsNotReady", "waiting for " + ", ".join(waiting), generation
         )
     else:
-        ready = condition("Ready", True, "AllComponentsReady", f"serving at {url}", generation)
-    old = isvc.get("status", {})
+        at = f"serving at {url}"
+        if gateway_url and model_owner is None:
+            at += f" and at {gateway_url} as model {spec.model.served_model_name!r}"
+        ready = condition("Ready", True, "AllComponentsReady", at, generation)
+    old = {k: v for k, v in isvc.get("status", {}).items() if k not in ("kvPath", "gatewayUrl")}
+    extra: Manifest = {}
+    if kv_path is not None:
+        extra["kvPath"] = kv_path
+    if gateway_url and model_owner is None:
+        extra["gatewayUrl"] = gateway_url
     return {
         **old,
+        **extra,
         "observedGeneration": generation,
         "mode": spec.mode,
         "url": url,
@@ -187,6 +202,7 @@ def running_status(
                 *parts,
                 rollout_condition(deployments, components, want, generation),
                 model_name_condition(spec, model_owner, generation),
+                *([kv_ready] if kv_ready is not None else []),
             ],
             now,
         ),

@@ -4,6 +4,7 @@ the all-features values passes kubernetes-validate in strict mode. Skipped witho
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+
+from baton.operator.cli import add_args
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "baton"
 HELM = shutil.which("helm")
@@ -98,3 +101,28 @@ def test_the_operator_may_read_and_create_secrets_but_not_list_them(watch: str |
             r for r in grant["rules"] if "" in r["apiGroups"] and "secrets" in r["resources"]
         ]
         assert [(r["resources"], r["verbs"]) for r in secrets] == [(["secrets"], ["get", "create"])]
+
+
+def operator_args(*sets: str) -> list[str]:
+    rendered = helm("template", "baton", str(CHART), *(a for s in sets for a in ("--set", s)))
+    docs = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "Deployment"]
+    operator = next(d for d in docs if d["metadata"]["name"] == "baton-operator")
+    (container,) = operator["spec"]["template"]["spec"]["containers"]
+    return list(container["args"])
+
+
+def test_the_operator_knows_its_namespace_the_gateway_url_and_the_canary() -> None:
+    """The operator is told its own namespace (its pods get into the engines' NetworkPolicy for
+    the KV canary), the gateway's URL only when the chart installs the gateway, and how often
+    the canary runs; the flags parse."""
+    plain = operator_args()
+    assert "--operator-namespace=default" in plain and "--kv-canary-seconds=60" in plain
+    assert not [a for a in plain if a.startswith("--gateway-url")]
+    with_gateway = operator_args("gateway.enabled=true", "gateway.service.port=8080")
+    assert "--gateway-url=http://baton-gateway.default.svc:8080" in with_gateway
+    assert "--gateway-url=http://baton-gateway.default.svc" in operator_args("gateway.enabled=true")
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(with_gateway[with_gateway.index("operator") + 1 :])
+    assert args.gateway_url == "http://baton-gateway.default.svc:8080"
+    assert (args.operator_namespace, args.kv_canary_seconds) == ("default", 60.0)

@@ -86,3 +86,19 @@ def test_failed_status_keeps_the_other_conditions() -> None:
     assert conditions(after)["Ready"] == ("False", "MissingImage")
     assert conditions(after)["PrefillReady"] == ("True", "ReplicasReady")
     assert after["url"] == "u"
+
+
+def test_the_gateway_url_when_the_gateway_serves_the_model() -> None:
+    """With a gateway, the status names its URL (and the Ready message the model name there);
+    a service whose model name another holds is not served there, so it gets none."""
+    live = {"prefill": deployment(1, 1), "decode": deployment(1, 1), "router": deployment(1, 1)}
+    gateway = "http://baton-gateway.baton-system.svc"
+    status = running_status(isvc(), SPEC, live, "http://s.n.svc", "T1", gateway_url=gateway)
+    assert status["url"] == "http://s.n.svc" and status["gatewayUrl"] == gateway
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert f"at {gateway} as model 'm'" in ready["message"]
+    taken = running_status(
+        isvc(status), SPEC, live, "http://s.n.svc", "T2", "a/b", None, None, gateway
+    )
+    assert "gatewayUrl" not in taken
+    assert "gatewayUrl" not in running_status(isvc(status), SPEC, live, "http://s.n.svc", "T3")

@@ -44,7 +44,8 @@ def conditions(kube: Kube, ns: str, name: str) -> dict[str, dict[str, Any]]:
 
 def test_each_service_gets_a_network_policy(kube: Kube, tmp_path: Path) -> None:
     """The policy is applied (server-side, by the operator's manager), owned by its service,
-    and lets engine HTTP in only from the service's router, the gateway and monitoring, and
+    and lets engine HTTP in only from the service's router, the gateway, the operator's pods
+    (its KV canary) and monitoring, and
     every tensor-parallel rank's KV port only from the service's decode pods."""
     spec = {
         "model": {"uri": "hf://acme/llama"},
@@ -53,7 +54,7 @@ def test_each_service_gets_a_network_policy(kube: Kube, tmp_path: Path) -> None:
     }
     owner = kube.apply_isvc("serving", "llama", spec)
     kube.apply_isvc("other", "qwen", {"model": {"uri": "hf://acme/qwen"}, "image": "b:1"})
-    access = NetworkAccess("gw-ns", monitoring_namespace="prom")
+    access = NetworkAccess("gw-ns", monitoring_namespace="prom", operator_namespace="ops")
     reconcile(kube, tmp_path, ("serving", "llama"), ("other", "qwen"), access=access)
     assert kube.get(NETPOL.format(ns="other", name="qwen")) is not None
     policy = kube.get(NETPOL.format(ns="serving", name="llama"))
@@ -82,6 +83,10 @@ def test_each_service_gets_a_network_policy(kube: Kube, tmp_path: Path) -> None:
                     "app.kubernetes.io/component": "gateway",
                 }
             },
+        },
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
         },
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "prom"}}},
     ]

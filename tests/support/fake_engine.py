@@ -47,7 +47,12 @@ class LeaseBoard:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    kind = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequests"}
+    kind = {
+        400: "BadRequestError",
+        401: "Unauthorized",
+        404: "NotFoundError",
+        429: "TooManyRequests",
+    }
     body = {
         "object": "error",
         "error": {
@@ -95,6 +100,15 @@ class FakeEngine:
         # Said in /health when set; a decode engine refuses a lease of another fingerprint, as
         # a real one does (it would read blocks that mean something else).
         self.fingerprint: str | None = None
+        # Set: said in /health (the transport really in use), and /metrics has the pull
+        # counters of baton:kv_transfer_*, as a real engine with a KV connector.
+        self.kv_transport: str | None = None
+        self.block_size = 16  # said in /health's compatibility when the fingerprint is set
+        self.block_bytes = 4096  # KV bytes of one block, counted per pulled block
+        self.pull_seconds = 0.0  # how long a (fake) pull takes
+        self.pull_failure: str | None = None  # every pull fails with this reason
+        self.load_failure_policy = "recompute"  # unless the request's params say otherwise
+        self.api_key: str | None = None  # generation requests need `Authorization: Bearer` it
         # -- what happened --
         self.requests: list[dict[str, Any]] = []  # generation request bodies, in order
         self.tokenize_requests: list[dict[str, Any]] = []  # /tokenize bodies, in order
@@ -103,6 +117,9 @@ class FakeEngine:
         self.prefills = 0  # requests answered as a prefill for a remote decode
         self.remote_decodes = 0  # requests decoded after reading a remote prefill's lease
         self.read_from: list[str] = []  # the engine id of each lease read, in order
+        self.kv_bytes = 0  # pulled, as baton:kv_transfer_bytes_total
+        self.kv_pull_seconds: list[float] = []  # each pull's, as baton:kv_transfer_seconds
+        self.kv_failures: dict[str, int] = {}  # as baton:kv_transfer_failures_total{reason}
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.generate, methods=["POST"]),
@@ -119,14 +136,18 @@ class FakeEngine:
 
     async def health(self, _: Request) -> Response:
         status = 200 if self.healthy else 503
-        if self.tensor_parallel_size is None and self.fingerprint is None:
+        said = (self.tensor_parallel_size, self.fingerprint, self.kv_transport)
+        if all(value is None for value in said):
             return Response(status_code=status)  # an engine of an older Baton says nothing
         body: dict[str, Any] = {"status": "ok"}
+        if self.kv_transport is not None:
+            body.update(kv_transport=self.kv_transport, role=self.role)
         if self.tensor_parallel_size is not None:
             body["tensor_parallel_size"] = self.tensor_parallel_size
         if self.fingerprint is not None:
             body["fingerprint"] = self.fingerprint
-            body["compatibility"] = {"weights": self.fingerprint[:8], "block_size": 16}
+            compatibility = {"weights": self.fingerprint[:8], "block_size": self.block_size}
+            body["compatibility"] = compatibility
         return JSONResponse(body, status_code=status)
 
     async def models(self, _: Request) -> Response:
@@ -140,6 +161,16 @@ class FakeEngine:
             f"vllm:num_requests_waiting{labels} {self.waiting}",
             f"vllm:kv_cache_usage_perc{labels} 0.0",
         ]
+        if self.kv_transport is not None:
+            pulls = self.kv_pull_seconds
+            lines += [
+                f"baton:kv_transfer_bytes_total{labels} {float(self.kv_bytes)}",
+                f"baton:kv_transfer_seconds_sum{labels} {sum(pulls)}",
+                f"baton:kv_transfer_seconds_count{labels} {float(len(pulls))}",
+            ]
+            for reason, count in self.kv_failures.items():
+                failure = f'{{model_name="{self.model}",engine="0",reason="{reason}"}}'
+                lines.append(f"baton:kv_transfer_failures_total{failure} {float(count)}")
         return Response("\n".join(lines) + "\n", media_type="text/plain")
 
     async def tokenize(self, request: Request) -> Response:
@@ -155,6 +186,9 @@ class FakeEngine:
     async def generate(self, request: Request) -> Response:
         body = await request.json()
         self.requests.append(body)
+        wanted = f"Bearer {self.api_key}"
+        if self.api_key is not None and request.headers.get("authorization") != wanted:
+            return _error(401, "Unauthorized: a valid API key is required")
         if self.fail_status is not None:
             return _error(self.fail_status, f"fake engine set to answer {self.fail_status}")
         if body.get("model") not in (None, self.model):
@@ -173,6 +207,10 @@ class FakeEngine:
             problem = self._read_lease(params, key)
             if problem:
                 return _error(400, problem)
+            failed = await self._pull(params)
+            policy = params.get("kv_load_failure_policy") or self.load_failure_policy
+            if failed and policy == "fail":
+                return _error(503, f"the KV pull failed ({failed}); policy fail")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         texts = [token_text(key, i) for i in range(int(max_tokens))]
         usage = {
@@ -256,6 +294,17 @@ class FakeEngine:
         lease.read = True
         self.remote_decodes += 1
         self.read_from.append(lease.engine_id)
+        return None
+
+    async def _pull(self, params: dict[str, Any]) -> str | None:
+        """The (fake) pull of a lease's blocks, counted as a real engine counts it; the failure
+        reason, if it fails."""
+        await asyncio.sleep(self.pull_seconds)
+        self.kv_pull_seconds.append(self.pull_seconds)
+        if self.pull_failure is not None:
+            self.kv_failures[self.pull_failure] = self.kv_failures.get(self.pull_failure, 0) + 1
+            return self.pull_failure
+        self.kv_bytes += len(params.get("remote_block_ids") or []) * self.block_bytes
         return None
 
     # -- streaming --
