@@ -10,13 +10,16 @@ router pairs every engine, as before, and this test fails.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 
+from baton.operator.kv_probe import Engine, ProbeResult, probe
 from tests.e2e.conftest import (
     COMMON,
     Fleet,
@@ -117,3 +120,22 @@ def test_no_compatible_pair_never_hands_off(
     assert scrape(lenient.url, outcome, outcome="decode_only_fallback") == 1
     assert _requests_served(p0) == prefilled
     assert "no compatible prefill engine" in lenient.log()
+
+
+def test_the_operators_canary_hands_off_between_real_engines(fleet: Fleet, foreign: Server) -> None:
+    """The operator's KVPathReady probe against real engine processes: p0 -> d0 succeeds with
+    the transport in use and the bytes the pull moved; p0 -> the foreign engine is refused as
+    IncompatibleEngines before any request."""
+
+    async def run() -> tuple[ProbeResult, ProbeResult]:
+        p0, d0 = (Engine("127.0.0.1", fleet[n].port) for n in ("p0", "d0"))
+        stranger = Engine("127.0.0.1", foreign.port)
+        async with aiohttp.ClientSession() as session:
+            ok = await probe(session, p0, d0, "tiny", "tcp", None)
+            refused = await probe(session, p0, stranger, "tiny", "tcp", None)
+        return ok, refused
+
+    ok, refused = asyncio.run(run())
+    assert ok.ok and ok.reason == "CanaryHandOffSucceeded", ok.message
+    assert ok.transport == "tcp" and (ok.num_bytes or 0) > 0 and (ok.gb_per_second or 0) > 0
+    assert not refused.ok and refused.reason == "IncompatibleEngines", refused.message
