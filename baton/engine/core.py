@@ -95,12 +95,17 @@ class EngineCore:
             self.executor.shutdown()
             raise
         layout = ShardLayout.build(mc, 0, tp)
+        # The dtype asked for counts with the one in use: on CPU float16 runs as bfloat16, yet
+        # an engine asked for float16 is not the bfloat16 one (on a GPU it would not be).
+        resolved = str(dtype).removeprefix("torch.")
+        asked = resolved if args.dtype == "auto" else str(parse_dtype(args.dtype))[6:]
+        dtype_name = resolved if asked == resolved else f"{resolved} (asked {asked})"
         self.fingerprint = compatibility.compute(
             self.model_path,
             Path(args.tokenizer) if args.tokenizer else self.model_path,
             weight_files(self.model_path),
-            dtype=str(dtype).removeprefix("torch."),
-            kv_cache_dtype=str(dtype).removeprefix("torch."),
+            dtype=dtype_name,
+            kv_cache_dtype=resolved,
             block_size=args.block_size,
             block_shape=(mc.num_layers, 2, args.block_size, layout.num_kv_heads, mc.head_dim),
             tensor_parallel_size=tp,

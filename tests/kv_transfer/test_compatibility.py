@@ -1,9 +1,9 @@
 """Hand-offs only between engines that agree: real prefill and decode engine processes that differ
-in one thing a KV block's meaning depends on (other weights of the same shape, another dtype,
-another chat template giving a prompt of the same length). The decode engine never answers from
-the other side's KV: it recomputes (its own answer) or, under policy `fail`, answers a clear
-error, and counts the reason. The fingerprint itself: each field it covers changes it, nothing
-else does."""
+in one thing a KV block's meaning depends on (other weights of the same shape, a float16 engine
+against bfloat16 ones, another chat template giving a prompt of the same length). The decode
+engine never answers from the other side's KV: it recomputes (its own answer) or, under policy
+`fail`, answers a clear error, and counts the reason. The fingerprint itself: each field it
+covers changes it, nothing else does."""
 
 from __future__ import annotations
 
@@ -47,11 +47,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     model = write_tiny_model(tmp / "model", "llama", "tiny", seed=0)
     other_weights = write_tiny_model(tmp / "retrained", "llama", "tiny", seed=1)
     other_template = _with_template(model, tmp / "templated", OTHER_TEMPLATE)
-    decode = ("--block-size", BLOCK, "--role", "decode")
+    # bfloat16 everywhere but the float16 decode engine: on CPU that one computes in bfloat16
+    # too (same bytes per block), and still must not take the others' KV.
+    bf16 = ("--block-size", BLOCK, "--dtype", "bfloat16")
+    decode = (*bf16, "--role", "decode")
     plan = {
-        "prefill": (model, ("--block-size", BLOCK, "--role", "prefill")),
+        "prefill": (model, (*bf16, "--role", "prefill")),
         "weights": (other_weights, decode),
-        "dtype": (model, (*decode, "--dtype", "bfloat16")),
+        "dtype": (model, ("--block-size", BLOCK, "--dtype", "float16", "--role", "decode")),
         "chat_template": (other_template, decode),
     }
     servers = {
