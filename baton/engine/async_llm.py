@@ -140,7 +140,7 @@ class AsyncLLM:
                 raise RuntimeError(f"engine core sent {type(ready).__name__} instead of READY")
             self.model_path = Path(ready.model_path)
             self.args = replace(args, model=ready.model_path)
-            self.tokenizer = load_tokenizer(args.tokenizer or self.model_path)
+            self.tokenizer = load_tokenizer(args.tokenizer or self.model_path, args.chat_template)
         except BaseException:
             self.proc.kill()
             self.proc.wait()

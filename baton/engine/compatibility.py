@@ -65,7 +65,7 @@ def weights_identity(files: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
-def tokenizer_identity(tokenizer_path: Path) -> tuple[str, str]:
+def tokenizer_identity(tokenizer_path: Path, chat_template: str | None = None) -> tuple[str, str]:
     """(the tokenizer's files, less any chat template in them; the chat template as the server
     reads it) as hashes."""
     h = hashlib.blake2b(digest_size=8)
@@ -79,7 +79,7 @@ def tokenizer_identity(tokenizer_path: Path) -> tuple[str, str]:
             config.pop("chat_template", None)
             data = _canonical(config)
         h.update(name.encode() + b"\0" + data)
-    return h.hexdigest(), _short(_canonical(chat_template_of(tokenizer_path)))
+    return h.hexdigest(), _short(_canonical(chat_template_of(tokenizer_path, chat_template)))
 
 
 def compute(
@@ -92,9 +92,11 @@ def compute(
     block_size: int,
     block_shape: tuple[int, ...],
     tensor_parallel_size: int,
+    chat_template: str | None = None,
 ) -> Fingerprint:
-    """The engine's fingerprint; `block_shape` is one rank's KV block, without the block axis."""
-    tokenizer, chat_template = tokenizer_identity(tokenizer_path)
+    """The engine's fingerprint; `block_shape` is one rank's KV block, without the block axis;
+    `chat_template` the engine's own, when it replaces the tokenizer's."""
+    tokenizer, template = tokenizer_identity(tokenizer_path, chat_template)
     return Fingerprint(
         model=model_identity(model_path),
         weights=weights_identity(weight_files),
@@ -103,5 +105,5 @@ def compute(
         block_size=str(block_size),
         kv_layout="x".join(map(str, block_shape)) + f"/tp{tensor_parallel_size}",
         tokenizer=tokenizer,
-        chat_template=chat_template,
+        chat_template=template,
     )

@@ -21,6 +21,7 @@ class EngineArgs:
 
     model: str | None = None  # a Hugging Face folder; None: the embedded default model
     tokenizer: str | None = None  # defaults to the model folder
+    chat_template: str | None = None  # replaces the tokenizer's (vLLM's --chat-template)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     block_size: int = 16
     max_num_seqs: int = 256

@@ -109,6 +109,7 @@ class EngineCore:
             block_size=args.block_size,
             block_shape=(mc.num_layers, 2, args.block_size, layout.num_kv_heads, mc.head_dim),
             tensor_parallel_size=tp,
+            chat_template=args.chat_template,
         )
         # The connector's two halves: the scheduler's (bookkeeping, here) and the worker's (the
         # transport, next to each rank's KV shard: in this process, or one per worker process).

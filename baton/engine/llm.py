@@ -25,7 +25,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.engine = EngineCore(self.engine_args)
-        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.engine.model_path)
+        self.tokenizer = load_tokenizer(
+            self.engine_args.tokenizer or self.engine.model_path, self.engine_args.chat_template
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 

@@ -132,10 +132,11 @@ class Tokenizer:
         raise ValueError("the model's tokenizer has no chat template")
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokenizer:
     """The tokenizer of a Hugging Face model folder: `tokenizer.json`, `tokenizer_config.json`
     (special tokens, `add_bos_token`, ...) and the chat template (`chat_template.jinja` and
-    `additional_chat_templates/`, else `chat_template.json`, else the tokenizer config's)."""
+    `additional_chat_templates/`, else `chat_template.json`, else the tokenizer config's), unless
+    `chat_template` (the engine's `--chat-template`) replaces it."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no tokenizer.json")
@@ -151,7 +152,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     tokenizer = Tokenizer(
         backend,
         special_tokens=special,
-        chat_template=_read_chat_template(path, config),
+        chat_template=chat_template or _read_chat_template(path, config),
     )
     if config.get("clean_up_tokenization_spaces") and not isinstance(backend.model, models.BPE):
         # transformers would drop WordPiece-style spaces before punctuation here (it skips BPE
@@ -170,10 +171,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return tokenizer
 
 
-def chat_template_of(path: str | Path) -> ChatTemplate | None:
-    """The chat template(s) of a tokenizer folder, as `load_tokenizer` finds them."""
+def chat_template_of(path: str | Path, chat_template: str | None = None) -> ChatTemplate | None:
+    """The chat template(s) `load_tokenizer(path, chat_template)` serves."""
     path = Path(path)
-    return _read_chat_template(path, _read_json(path / "tokenizer_config.json"))
+    return chat_template or _read_chat_template(path, _read_json(path / "tokenizer_config.json"))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

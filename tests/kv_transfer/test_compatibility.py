@@ -46,7 +46,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     tmp = tmp_path_factory.mktemp("compat")
     model = write_tiny_model(tmp / "model", "llama", "tiny", seed=0)
     other_weights = write_tiny_model(tmp / "retrained", "llama", "tiny", seed=1)
-    other_template = _with_template(model, tmp / "templated", OTHER_TEMPLATE)
     # bfloat16 everywhere but the float16 decode engine: on CPU that one computes in bfloat16
     # too (same bytes per block), and still must not take the others' KV.
     bf16 = ("--block-size", BLOCK, "--dtype", "bfloat16")
@@ -55,7 +54,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
         "prefill": (model, (*bf16, "--role", "prefill")),
         "weights": (other_weights, decode),
         "dtype": (model, ("--block-size", BLOCK, "--dtype", "float16", "--role", "decode")),
-        "chat_template": (other_template, decode),
+        # vLLM's --chat-template, the template itself on the command line
+        "chat_template": (model, (*decode, "--chat-template", OTHER_TEMPLATE)),
     }
     servers = {
         name: Server(path, tmp / f"{name}.log", *flags) for name, (path, flags) in plan.items()
@@ -160,6 +160,9 @@ def test_the_fingerprint_covers_what_it_says(tmp_path: Path) -> None:
     }
     for field, other in changed.items():
         assert base.differences(other) == [field] and base.digest != other.digest, field
+    # --chat-template is the same template as one in the tokenizer's folder
+    flag = fp(model, chat_template=OTHER_TEMPLATE)
+    assert flag.differences(changed["chat_template"]) == []
     config = json.loads((model / "config.json").read_text())
     config["rope_theta"] = config.get("rope_theta", 10000.0) * 2
     (model / "config.json").write_text(json.dumps(config))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from baton.cli import from_args
 from baton.engine.api.server import ServerConfig, serve
@@ -22,6 +23,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     e, s = EngineArgs, ServerConfig
     parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
     parser.add_argument("--tokenizer", default=None)
+    parser.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        default=None,
+        help="the chat template: a file, or the template itself (vLLM's flag; default: the "
+        "tokenizer's)",
+    )
     add_listen_args(parser, s)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-model-len", type=int, default=e.max_model_len)
@@ -104,6 +112,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         f"engine issues, every one verifies (default: ${SECRET_ENV}, else "
         f"{default_secret_file()}, made on first use; docs/security.md)",
     )
+
+
+def _chat_template(value: str) -> str:
+    """`--chat-template`: a file's contents, or the value itself when it reads as a template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,17 @@ def test_key_and_tls_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPat
         configs_from_args(_parse("--api-key", ""))
     with pytest.raises(ValueError, match="ssl_certfile"):
         configs_from_args(_parse("--ssl-keyfile", "k.pem"))
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    """--chat-template, as vLLM's: a file's contents, or the value when it reads as Jinja;
+    anything else is a usage error naming it, not a template that renders the name."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    engine, _ = configs_from_args(_parse("--chat-template", str(path)))
+    assert engine.chat_template == "{{ messages[0]['content'] }}"
+    engine, _ = configs_from_args(_parse("--chat-template", "{% for m in messages %}x{% endfor %}"))
+    assert engine.chat_template == "{% for m in messages %}x{% endfor %}"
+    assert configs_from_args(_parse())[0].chat_template is None
+    with pytest.raises(SystemExit):
+        _parse("--chat-template", str(tmp_path / "missing.jinja"))
