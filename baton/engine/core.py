@@ -69,7 +69,25 @@ class EngineCore:
             self.max_model_len = mc.sliding_window
         attention = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
         tp = args.tensor_parallel_size
-        ShardLayout.build(mc, 0, tp)  # a model that does not split says so before any spawn
+        # A model that does not split, or a fingerprint that cannot be read, says so before any
+        # process or socket is started.
+        layout = ShardLayout.build(mc, 0, tp)
+        # The dtype asked for counts with the one in use: on CPU float16 runs as bfloat16, yet
+        # an engine asked for float16 is not the bfloat16 one (on a GPU it would not be).
+        resolved = str(dtype).removeprefix("torch.")
+        asked = resolved if args.dtype == "auto" else str(parse_dtype(args.dtype))[6:]
+        dtype_name = resolved if asked == resolved else f"{resolved} (asked {asked})"
+        self.fingerprint = compatibility.compute(
+            self.model_path,
+            Path(args.tokenizer) if args.tokenizer else self.model_path,
+            weight_files(self.model_path),
+            dtype=dtype_name,
+            kv_cache_dtype=resolved,
+            block_size=args.block_size,
+            block_shape=(mc.num_layers, 2, args.block_size, layout.num_kv_heads, mc.head_dim),
+            tensor_parallel_size=tp,
+            chat_template=args.chat_template,
+        )
         if device.type == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(
                 f"tensor_parallel_size {tp} needs {tp} GPUs; {torch.cuda.device_count()} visible"
@@ -94,23 +112,6 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
-        layout = ShardLayout.build(mc, 0, tp)
-        # The dtype asked for counts with the one in use: on CPU float16 runs as bfloat16, yet
-        # an engine asked for float16 is not the bfloat16 one (on a GPU it would not be).
-        resolved = str(dtype).removeprefix("torch.")
-        asked = resolved if args.dtype == "auto" else str(parse_dtype(args.dtype))[6:]
-        dtype_name = resolved if asked == resolved else f"{resolved} (asked {asked})"
-        self.fingerprint = compatibility.compute(
-            self.model_path,
-            Path(args.tokenizer) if args.tokenizer else self.model_path,
-            weight_files(self.model_path),
-            dtype=dtype_name,
-            kv_cache_dtype=resolved,
-            block_size=args.block_size,
-            block_shape=(mc.num_layers, 2, args.block_size, layout.num_kv_heads, mc.head_dim),
-            tensor_parallel_size=tp,
-            chat_template=args.chat_template,
-        )
         # The connector's two halves: the scheduler's (bookkeeping, here) and the worker's (the
         # transport, next to each rank's KV shard: in this process, or one per worker process).
         connector: PullConnector | None = None
@@ -119,16 +120,18 @@ class EngineCore:
             kvt = args.kv_transfer
             try:
                 self.connector_worker = self.executor.start_kv_transfer(kvt, args.block_size)
+                connector = PullConnector(
+                    kvt,
+                    KVConnectorRole.SCHEDULER,
+                    args.block_size,
+                    ports=self.connector_worker.ports,
+                    fingerprint=self.fingerprint,
+                )
             except BaseException:
+                if self.connector_worker is not None:
+                    self.connector_worker.shutdown()
                 self.executor.shutdown()
                 raise
-            connector = PullConnector(
-                kvt,
-                KVConnectorRole.SCHEDULER,
-                args.block_size,
-                ports=self.connector_worker.ports,
-                fingerprint=self.fingerprint,
-            )
         max_batched = args.max_num_batched_tokens or max(8192, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -99,8 +99,7 @@ class PullConnector(KVConnectorBase):
             num_prompt - 1, self.block_size
         ):
             return (
-                "BAD_PARAMS: kv_transfer_params do not describe this prompt "
-                f"({num_prompt} tokens); recomputing"
+                f"BAD_PARAMS: kv_transfer_params do not describe this prompt ({num_prompt} tokens)"
             )
         # Both sides computed the same KV only with the same model, dtype, layout and tokens.
         mismatch = layout_mismatch(remote, len(self.ports)) or describe_mismatch(
@@ -130,6 +129,12 @@ class PullConnector(KVConnectorBase):
         if remote is None:
             return None
         if isinstance(remote, str):
+            # Signed, so the lease is real: free its blocks now rather than at expiry (unless
+            # its ranks do not match ours, when there is no matching rank to tell).
+            params = request.kv_transfer_params
+            lease = params.remote if params is not None else None
+            if lease is not None and not remote.startswith("INCOMPATIBLE_LAYOUT"):
+                self._meta.releases.append(lease)
             return TransferResult(request.request_id, False, remote)
         if num_external == 0:
             self._meta.releases.append(remote)

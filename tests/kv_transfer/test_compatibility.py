@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,12 @@ def test_a_decode_engine_that_differs_never_answers_from_the_others_kv(
     assert _incompatible(decode, differs) == before + 2
     metrics = decode.metrics()
     assert metrics.get("baton:kv_transfer_bytes_total", 0.0) == 0.0  # nothing was pulled
+    # The refusing engine released both leases: the prefill engine holds no blocks for them
+    # (it would for its 30 s lease time otherwise).
+    deadline = time.monotonic() + 5
+    while prefill.metrics()["baton:kv_blocks_leased{}"] > 0:
+        assert time.monotonic() < deadline, "the refused leases were not released"
+        time.sleep(0.05)
 
 
 def test_the_chat_template_case_has_a_prompt_of_the_same_length(

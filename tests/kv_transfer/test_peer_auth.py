@@ -28,7 +28,7 @@ from baton.kv_transfer.sockets import GREETING, KVConnectionPool
 from baton.kv_transfer.tcp.reader import read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
 from baton.kv_transfer.tcp.wire import REPLY, pack_request
-from tests.kv_transfer.helpers import ENGINE, SHAPE, as_bytes, deadline, fake_server, make_cache
+from tests.kv_transfer.helpers import BB, ENGINE, SHAPE, as_bytes, deadline, fake_server, make_cache
 from tests.support.kv_wire import KEYS, Request, lease_at, side_call
 
 OTHER = KeyRing(new_secret(), "another service's key")
@@ -292,3 +292,13 @@ def test_an_engine_with_an_unreadable_secret_does_not_start(tmp_path: Path) -> N
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and str(missing) in done.stderr, done.stderr
+
+
+def test_a_header_asking_for_more_blocks_than_the_cache_has_is_refused_unread(
+    server: KVBlockServer,
+) -> None:
+    """A peer without the key cannot make the server allocate for millions of block ids: a
+    header naming more blocks than the cache holds is BAD_REQUEST before the body is read."""
+    head, _ = pack_request(KEYS.signing_key_id, ENGINE, "r", [0] * (SHAPE[0] + 1), BB)
+    answer = _raw_exchange(server.port, head)
+    assert REPLY.unpack(answer[: REPLY.size])[1] == Status.BAD_REQUEST

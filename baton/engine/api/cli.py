@@ -115,13 +115,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _chat_template(value: str) -> str:
-    """`--chat-template`: a file's contents, or the value itself when it reads as a template."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    """`--chat-template`: the value itself when it reads as a template, else a file's contents."""
     if "{{" in value or "{%" in value:
         return value
-    raise argparse.ArgumentTypeError(f"{value!r} is neither a file nor a Jinja template")
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a Jinja template nor a readable file: {e}"
+        ) from None
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:

@@ -323,7 +323,9 @@ class NixlTransport:
         reply = call(self._channel(remote), Hello(remote.engine_id), deadline)
         if isinstance(reply, str):
             return reply
-        if peer is not None and peer.hello.engine_id != reply.engine_id:
+        # An engine id only an answer from the engine carries (a refusal to a peer without the
+        # key carries none, and must not cost other readers the cached agent).
+        if peer is not None and reply.engine_id and peer.hello.engine_id != reply.engine_id:
             self._forget(peer)  # that engine restarted: its agent and memory are gone
         if reply.status == Status.UNAUTHORIZED:
             return f"UNAUTHORIZED: {remote.host}:{remote.port} refused key {remote.key_id!r}"

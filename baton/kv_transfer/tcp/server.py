@@ -43,6 +43,7 @@ class KVBlockServer(ThreadedServer):
         io_timeout: float = 30.0,
     ) -> None:
         self._view = byte_view(kv_cache)
+        self._num_blocks = kv_cache.shape[0]
         self._keys = keys
         self.leases = LeaseTable(kv_cache, engine_id)
         super().__init__(host, port, io_timeout=io_timeout, name="kv-server")
@@ -58,7 +59,8 @@ class KVBlockServer(ThreadedServer):
         if head is None:
             return False
         magic, engine_len, request_len, num_blocks, client_block_bytes, kid_b = REQUEST.unpack(head)
-        if magic != REQUEST_MAGIC or num_blocks > MAX_BLOCKS_PER_READ:
+        # Bounded before the body is read: a peer without the key allocates nothing large.
+        if magic != REQUEST_MAGIC or num_blocks > min(MAX_BLOCKS_PER_READ, self._num_blocks):
             self._reply(conn, Status.BAD_REQUEST)
             return False
         body = recv_exact(conn, engine_len + request_len + 4 * num_blocks + TAG_BYTES)

@@ -101,3 +101,14 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     assert configs_from_args(_parse())[0].chat_template is None
     with pytest.raises(SystemExit):
         _parse("--chat-template", str(tmp_path / "missing.jinja"))
+
+
+def test_a_long_template_or_a_long_name_is_not_a_crash() -> None:
+    """A template longer than a path may be is the template; a long name that is neither is
+    a usage error, not an OSError from the file system."""
+    long_template = "{{ messages[0]['content'] }}" + "x" * 5000
+    assert configs_from_args(_parse("--chat-template", long_template))[0].chat_template == (
+        long_template
+    )
+    with pytest.raises(SystemExit):
+        _parse("--chat-template", "n" * 300)
