@@ -36,6 +36,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    # With `prompt_logprobs`: one entry per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled

@@ -94,6 +94,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] | None = None
+    # With `prompt_logprobs`, on the request's first output: prompt positions 1.. in order, each
+    # entry's first token the prompt's own token at that position.
+    prompt_logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0

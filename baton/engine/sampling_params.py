@@ -8,6 +8,45 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on what a request may generate (vLLM's `StructuredOutputsParams`): exactly
+    one of the kinds is set. The API edge builds it from `response_format`, `structured_outputs`,
+    the older `guided_*` fields or a forced tool choice; the engine compiles it to a grammar and
+    masks every token it samples with it. Frozen and plain, so it keys the grammar cache."""
+
+    json: str | None = None  # a JSON schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # exactly one of these strings
+    grammar: str | None = None  # a Lark grammar (GBNF is converted at the edge)
+    structural_tag: str | None = None  # vLLM's structural tag, as JSON text
+    # The constraint starts after the output has produced these token ids (the end of the
+    # reasoning, e.g. `</think>`); None: from the first output token.
+    after_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            self.json is not None,
+            self.json_object,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+            self.structural_tag is not None,
+        ]
+        if sum(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar, structural_tag; got {sum(kinds)}"
+            )
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.after_token_ids is not None:
+            object.__setattr__(self, "after_token_ids", tuple(self.after_token_ids))
+
+
 @dataclass
 class SamplingParams:
     """How one prompt is continued. Invalid values raise `ValueError` naming the field and range."""
@@ -27,7 +66,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-n logprobs per generated token, plus the sampled one
+    # top-n logprobs of every prompt position after the first, plus the prompt's own token
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # token id -> added to its logit before any other processing (OpenAI's -100..100)
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled (vLLM's `allowed_token_ids`).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's `bad_words`, tokenized at the edge: a sequence's last token is forbidden whenever the
+    # output ends with the tokens before it (a one-token word is always forbidden).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +105,25 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            for t, b in self.logit_bias.items():
+                _check_int("logit_bias key", t, lo=0)
+                _check_float("logit_bias value", b, lo=-100.0, hi=100.0)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids[]", t, lo=0)
+        self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+        for word in self.bad_words_token_ids:
+            if not word:
+                raise ValueError("bad_words must not contain an empty word")
+            for t in word:
+                _check_int("bad_words token id", t, lo=0)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
