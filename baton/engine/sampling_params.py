@@ -19,7 +19,7 @@ class StructuredOutputsParams:
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # exactly one of these strings
-    grammar: str | None = None  # a Lark grammar (GBNF is converted at the edge)
+    grammar: str | None = None  # a Lark grammar, or GBNF (which the compiler converts)
     structural_tag: str | None = None  # vLLM's structural tag, as JSON text
     # The constraint starts after the output has produced these token ids (the end of the
     # reasoning, e.g. `</think>`); None: from the first output token.
