@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from baton import serve
 from baton.engine.api.cli import add_server_args
@@ -182,6 +186,63 @@ def test_streaming_through_serve(disaggregated: Serve) -> None:
     texts = [c.choices[0].text for c in chunks if c.choices]
     assert len(texts) > 1 and "".join(texts) == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+class Runner(BaseModel):
+    """What `parse` asks the tiny model for: only the grammar can make its noise fit this."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=10)
+    lane: int = Field(ge=1, le=8)
+    relay: Literal["4x100", "4x400"]
+    splits: list[bool] = Field(min_length=1, max_length=3)
+
+
+@needs_roles
+def test_parse_returns_a_parsed_object_through_serve(disaggregated: Serve) -> None:
+    """`chat.completions.parse(response_format=<pydantic model>)` through prefill→decode returns
+    a parsed object, equal (greedy) to the decode engine's own answer; a regex and a choice match
+    through the router; a bad schema is a 400 and the next request is served."""
+    decode_url = next(e["url"] for e in disaggregated.engines() if e["role"] == "decode")
+    alone = openai.OpenAI(base_url=f"{decode_url}/v1", api_key="none")
+    answers = []
+    for client in (disaggregated.client(), alone):
+        completion = client.chat.completions.parse(
+            model="tiny",
+            messages=[{"role": "user", "content": f"runner: {PROMPT}"}],
+            response_format=Runner,
+            max_tokens=200,
+            temperature=0,
+        )
+        parsed = completion.choices[0].message.parsed
+        assert isinstance(parsed, Runner), completion
+        answers.append(completion.choices[0].message.content)
+    assert answers[0] == answers[1]
+    client = disaggregated.client()
+    regex = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=40, temperature=0.8, seed=3,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,4}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", regex.choices[0].text), regex
+    choice = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=20,
+        extra_body={"guided_choice": ["baton", "relay runner"]},
+    )  # fmt: skip
+    assert choice.choices[0].message.content in ("baton", "relay runner")
+    schema = Runner.model_json_schema()
+    text = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
+    ).choices[0].message.content  # fmt: skip
+    jsonschema.validate(json.loads(text or ""), schema)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=20,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "r", "schema": {"type": "nonsense"}}},
+        )  # fmt: skip
+    assert "nonsense" in str(bad.value)
+    assert _completion(disaggregated.url, PROMPT)["choices"][0]["token_ids"]
 
 
 @needs_roles
