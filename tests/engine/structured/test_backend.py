@@ -8,6 +8,8 @@ import ast
 import json
 import random
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -476,3 +478,30 @@ def test_smollm2_walks(smollm2: tuple[Tokenizer, GrammarCompiler]) -> None:
         assert re.fullmatch(pattern, text), text
     choices = ("positive", "negative", "neutral ✓")
     assert set(walks(compiler, tok, StructuredOutputsParams(choice=choices), 6)) <= set(choices)
+
+
+def test_special_token_trigger(compiler: GrammarCompiler, tiny_tokenizer: Tokenizer) -> None:
+    """A trigger that is one of the tokenizer's special tokens is matched as that token: the
+    token id opens the tag, after it the schema rules."""
+    start = tiny_tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(start) == 1
+    tag = {
+        "structures": [{"begin": "<|im_start|>", "schema": {"type": "integer"}, "end": "."}],
+        "triggers": ["<|im_start|>"],
+    }
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    m = grammar.matcher()
+    assert m.consume_tokens(tiny_tokenizer.encode("ok ", add_special_tokens=False) + start)
+    assert m.consume_tokens(tiny_tokenizer.encode("42.", add_special_tokens=False))
+    m = grammar.matcher()
+    assert m.consume_tokens(start)
+    assert not m.consume_tokens(tiny_tokenizer.encode("x", add_special_tokens=False))
+
+
+def test_backend_is_torch_free() -> None:
+    """The API process may import the backend: it pulls in neither torch nor numpy."""
+    code = (
+        "import sys, baton.engine.structured.backend; "
+        "sys.exit(any(m in sys.modules for m in ('torch', 'numpy')))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
