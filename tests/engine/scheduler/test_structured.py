@@ -11,6 +11,8 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.sampling_params import StructuredOutputsParams
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler
+from baton.kv_transfer.params import KVTransferParams, RemotePrefill
+from tests.engine.scheduler.fake_connector import FakeConnector
 from tests.engine.scheduler.fake_grammar import (
     VOCAB,
     FakeGrammarManager,
@@ -227,3 +229,33 @@ def test_a_rejected_request_still_gets_its_error_output() -> None:
     (output,) = sched.take_outputs()
     assert (output.request_id, output.finish_reason, output.error) == ("a", "error", "no tokenizer")
     assert not sched.has_unfinished_requests()
+
+
+def test_a_pulled_decode_request_samples_its_first_token_under_the_mask() -> None:
+    """P/D: a constrained decode request whose prompt KV is pulled waits for its grammar, then
+    for its pull, then computes its last prompt token and samples it under the mask."""
+    kv = FakeConnector(block_size=4)
+    sched = make_scheduler(block_size=4, connector=kv)
+    fake = FakeGrammarManager(EOS, instant=False)
+    sched.structured = fake
+    lease = RemotePrefill("e1", "10.0.0.1", 7000, "p", [100, 101, 102], 10, 1e12, (7000,))
+    sched.add_request(
+        _constrained("d", 10, max_tokens=10, kv_transfer_params=KVTransferParams(remote=lease))
+    )
+
+    def engine_step() -> tuple[SchedulerOutput, list]:
+        out, outputs = _step(sched)
+        kv.sync()
+        return out, outputs + sched.update_from_kv_output(kv.get_finished())
+
+    engine_step()
+    assert sched.requests["d"].status == RequestStatus.WAITING_FOR_FSM and not kv.loads
+    fake.compile_all()
+    engine_step()
+    assert sched.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    kv.end_load("d")
+    engine_step()
+    out, outputs = engine_step()
+    assert out.num_scheduled_tokens == {"d": 1}
+    assert out.structured_output_request_ids == ["d"]
+    assert [o.new_token_ids for o in outputs] == [[SEQ[0]]]
