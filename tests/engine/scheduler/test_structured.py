@@ -30,7 +30,7 @@ def _grammar(seq: list[int] = SEQ, after: tuple[int, ...] | None = None) -> Stru
 
 def _constrained(req_id: str, num_prompt: int = 8, **kw: object) -> Request:
     grammar = kw.pop("grammar", _grammar())
-    return make_request(req_id, num_prompt, structured_outputs=grammar, **kw)
+    return make_request(req_id, num_prompt, structured_outputs=grammar, **kw)  # type: ignore[arg-type]
 
 
 def _setup(instant: bool = True, **kw: object) -> tuple[Scheduler, FakeGrammarManager]:
