@@ -71,6 +71,7 @@ class Scheduler:
         # Requests the scheduler ended on its own outside `update_from_output` (a grammar that
         # did not compile): their last outputs, until the EngineCore takes them.
         self._outputs: list[EngineCoreOutput] = []
+        self._compiling: set[str] = set()  # requests in WAITING_FOR_FSM
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class Scheduler:
                 raise ValueError("this engine has no structured-output backend")
             # Compiles on the manager's pool; the request waits (WAITING_FOR_FSM) until done.
             self.structured.add_request(request.request_id, params)
+            self._compiling.add(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -141,6 +143,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if request.use_structured_output and self.structured is not None:
             self.structured.remove(request.request_id)
+            self._compiling.discard(request.request_id)
         if self.remote_kv is None or not self.remote_kv.holds_blocks(request.request_id):
             self.kv.free(request)
         if self._group_leaders.get(request.group_id or "") is request:
@@ -164,10 +167,20 @@ class Scheduler:
         return len(self.remote_kv.waiting_for_kvs) if self.remote_kv is not None else 0
 
     def needs_sampled_tokens(self) -> bool:
-        """Whether a running constrained request has a sampled token not back yet. Its next
-        mask depends on that token, so with async scheduling the EngineCore finishes the step
-        in flight before scheduling the next (otherwise `schedule` skips the request a step)."""
-        return any(r.use_structured_output and r.num_output_placeholders for r in self.running)
+        """Whether a constrained request has a sampled token not back yet. Its next mask
+        depends on that token, so with async scheduling the EngineCore finishes the step in
+        flight before scheduling the next (otherwise `schedule` skips the request a step).
+        Preempted requests count too: one preempted with its token in flight may resume now."""
+        if self.structured is None:
+            return False
+        return any(
+            r.use_structured_output and r.num_output_placeholders for r in self.requests.values()
+        )
+
+    def is_compiling(self) -> bool:
+        """Whether a request waits for its grammar: the busy loop then polls often, since
+        nothing else wakes it when a compile ends."""
+        return bool(self._compiling)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -285,11 +298,16 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.use_structured_output and request.num_output_placeholders:
+                # Preempted with its token in flight (async scheduling): its mask needs it.
+                deferred.append(self.waiting.pop())
+                continue
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 assert self.structured is not None
                 if not self.structured.is_ready(request.request_id):
                     deferred.append(self.waiting.pop())  # still compiling: skipped, not blocking
                     continue
+                self._compiling.discard(request.request_id)
                 error = self.structured.error(request.request_id)
                 if error is not None:
                     self.waiting.pop()

@@ -259,3 +259,30 @@ def test_a_pulled_decode_request_samples_its_first_token_under_the_mask() -> Non
     assert out.num_scheduled_tokens == {"d": 1}
     assert out.structured_output_request_ids == ["d"]
     assert [o.new_token_ids for o in outputs] == [[SEQ[0]]]
+
+
+def test_a_request_preempted_with_its_token_in_flight_resumes_after_it() -> None:
+    """Async scheduling: a constrained request preempted while its token is in flight is not
+    resumed (its mask would be stale) until that token is back and fed to its grammar."""
+    sched, fake = _setup()
+    sched.add_request(_constrained("c"))
+    first = sched.schedule()
+    sched._preempt(sched.requests["c"])  # as a step that runs out of blocks would
+    assert sched.needs_sampled_tokens()
+    assert "c" not in sched.schedule().num_scheduled_tokens
+    sched.update_from_output(first, ModelRunnerOutput({"c": SEQ[0]}))
+    assert fake.accepted["c"] == [SEQ[0]] and not sched.needs_sampled_tokens()
+    resumed = sched.schedule()
+    assert resumed.structured_output_request_ids == ["c"]
+    assert allowed_tokens(resumed.grammar_bitmask[0]) == [SEQ[1]]  # type: ignore[index]
+
+
+def test_is_compiling_tracks_requests_waiting_for_their_grammar() -> None:
+    sched, fake = _setup(instant=False)
+    sched.add_request(_constrained("a"))
+    sched.add_request(_constrained("b"))
+    assert sched.is_compiling()
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    fake.compile_all()
+    sched.schedule()
+    assert not sched.is_compiling()
