@@ -418,24 +418,42 @@ class Scheduler:
             if token is None:
                 continue  # a partial prompt chunk: nothing sampled yet
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
-            if request.use_structured_output and not self._advance_grammar(request, token):
+            if request.use_structured_output and not self._structured.accept(req_id, token):
                 outputs.append(self._fail_running(request, token, stopped))
                 continue
             request.append_output_token(token)
             self._check_stop(request, token)
+            new_token_ids = [token]
+            logprobs = runner_output.logprobs.get(req_id)
+            if self._grammar_done_but_eos_blocked(request):
+                # The token goes out first, then a separate, empty "stop": the output side
+                # takes the last token of a "stop" output for an EOS or stop token and drops
+                # its text, but this one is part of the answer.
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=[logprobs] if logprobs is not None else None,
+                        num_cached_tokens=request.num_cached_tokens,
+                        queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
+                    )
+                )
+                request.status = RequestStatus.FINISHED_STOPPED
+                new_token_ids, logprobs = [], None
             kv_params = None
             if request.is_finished() and self.remote_kv is not None:
                 kv_params = self.remote_kv.request_finished(request)
-            logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=[token],
+                    new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
-                    queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
+                    queue_time=_queue_time(request)
+                    if request.num_output_tokens == 1 and new_token_ids
+                    else None,
                     kv_transfer_params=kv_params,
                 )
             )
@@ -453,22 +471,25 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
-    def _advance_grammar(self, request: Request, token: int) -> bool:
-        """Feeds a sampled token to the request's grammar; False if the grammar rejects it.
+    @property
+    def _structured(self) -> GrammarManager:
+        assert self.structured is not None, "a constrained request without a grammar manager"
+        return self.structured
 
-        A grammar that is complete leaves EOS as the only token its mask allows. When EOS
-        cannot end the request (`min_tokens` not reached, or `ignore_eos`) the sampler would
-        face a row with nothing allowed, so the request ends here with "stop" instead: the
+    def _grammar_done_but_eos_blocked(self, request: Request) -> bool:
+        """Whether a running request's grammar is complete while EOS cannot end it.
+
+        A complete grammar leaves EOS as the only token its mask allows. With `min_tokens` not
+        reached, or `ignore_eos`, EOS would not end the request (and `min_tokens` would forbid
+        it: a row with nothing allowed), so the request ends with "stop" here instead: the
         structured answer is whole and nothing may follow it.
         """
-        assert self.structured is not None
-        if not self.structured.accept(request.request_id, token):
+        if not request.use_structured_output or request.is_finished():
             return False
-        if self.structured.is_terminated(request.request_id):
-            params = request.sampling_params
-            if params.ignore_eos or request.num_output_tokens + 1 < params.min_tokens:
-                request.status = RequestStatus.FINISHED_STOPPED
-        return True
+        params = request.sampling_params
+        if not (params.ignore_eos or request.num_output_tokens < params.min_tokens):
+            return False
+        return self._structured.is_terminated(request.request_id)
 
     def _fail_running(
         self, request: Request, token: int, stopped: list[Request]
