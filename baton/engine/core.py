@@ -21,6 +21,7 @@ from baton.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCor
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from baton.engine.scheduler.structured import GrammarManager
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
 from baton.kv_transfer.connector import PullConnector
@@ -194,9 +195,32 @@ class EngineCore:
         return num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(
-            Request.from_core_request(request, self.model_config.eos_token_ids)
-        )
+        req = Request.from_core_request(request, self.model_config.eos_token_ids)
+        if req.use_structured_output and self.scheduler.structured is None:
+            try:
+                self.scheduler.structured = self._structured_output_manager()
+            except Exception as e:  # e.g. no tokenizer in the model folder: this request fails
+                logger.exception("structured outputs are unavailable")
+                self.scheduler.reject_request(
+                    req, f"structured outputs are unavailable: {type(e).__name__}: {e}"
+                )
+                return
+        self.scheduler.add_request(req)
+
+    def _structured_output_manager(self) -> GrammarManager:
+        """Built on the first constrained request, so that an engine never asked for a grammar
+        loads no tokenizer and builds no token trie; that first request pays for both (the
+        tokenizer load and llguidance's per-vocabulary set-up, tens to hundreds of ms)."""
+        from baton.engine.structured.backend import GrammarCompiler
+        from baton.engine.structured.manager import StructuredOutputManager
+        from baton.engine.tokenizer import load_tokenizer
+
+        args = self.args
+        tokenizer = load_tokenizer(args.tokenizer or self.model_path, args.chat_template)
+        mc = self.model_config
+        # The mask is as wide as the logits (the model's vocab_size), not the tokenizer's.
+        compiler = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        return StructuredOutputManager(compiler)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -233,6 +257,8 @@ class EngineCore:
         num_tokens = 0
         if self.has_unfinished_requests():
             outputs, num_tokens = self._step()
+        # Requests the scheduler ended by itself (a grammar that did not compile).
+        outputs += self.scheduler.take_outputs()
         kv_ended = False
         worker = self.connector_worker
         if worker is not None:
@@ -248,20 +274,31 @@ class EngineCore:
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(num_tokens))
 
     def _step(self) -> tuple[list[EngineCoreOutput], int]:
-        scheduler_output = self.scheduler.schedule()
-        num_tokens = scheduler_output.total_num_scheduled_tokens
         if not self.args.async_scheduling:
+            scheduler_output = self.scheduler.schedule()
+            num_tokens = scheduler_output.total_num_scheduled_tokens
             runner_output = self.executor.execute_model(scheduler_output)
             return self.scheduler.update_from_output(scheduler_output, runner_output), num_tokens
+        outputs: list[EngineCoreOutput] = []
+        # A constrained request's next mask depends on the token in flight: while one runs,
+        # the step in flight finishes before the next is scheduled. That batch then loses the
+        # overlap (the device waits for the scheduler, as in the synchronous loop); a batch
+        # with no constrained request keeps it.
+        while self._in_flight and self.scheduler.needs_sampled_tokens():
+            oldest, oldest_pending = self._in_flight.popleft()
+            outputs += self.scheduler.update_from_output(oldest, oldest_pending.result())
+        scheduler_output = self.scheduler.schedule()
+        num_tokens = scheduler_output.total_num_scheduled_tokens
         pending = self.executor.execute_model_async(scheduler_output)
         if num_tokens:
             self._in_flight.append((scheduler_output, pending))
             if len(self._in_flight) < 2:
-                return [], num_tokens  # keep it in flight while the next step is scheduled
+                return outputs, num_tokens  # keep it in flight while the next step is scheduled
         if not self._in_flight:
-            return [], num_tokens
+            return outputs, num_tokens
         oldest, oldest_pending = self._in_flight.popleft()
-        return self.scheduler.update_from_output(oldest, oldest_pending.result()), num_tokens
+        outputs += self.scheduler.update_from_output(oldest, oldest_pending.result())
+        return outputs, num_tokens
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -28,6 +28,9 @@ _IDLE_POLL_SECONDS = 1.0  # how often an idle loop checks that its API server is
 # How often a loop with nothing to compute looks at KV leases (their expiry) and pulls (a
 # backstop: a finished pull also wakes it through the input queue).
 _TRANSFER_POLL_SECONDS = 0.05
+# How often a loop whose requests wait for their grammars looks again: compiles end on the
+# grammar manager's pool, which does not wake the loop, and each wait is added to the answer.
+_GRAMMAR_POLL_SECONDS = 0.002
 _WAKE = None  # put in the input queue to wake the loop; handled as "nothing"
 
 
@@ -133,6 +136,8 @@ class BusyLoop:
             # spinning loop takes the GIL and the CPU from the threads doing the pulls).
             if not busy or idle:
                 timeout = _TRANSFER_POLL_SECONDS if busy or pending else _IDLE_POLL_SECONDS
+                if core.scheduler.is_compiling():
+                    timeout = _GRAMMAR_POLL_SECONDS
                 try:  # wake up now and then to notice an orphaned process or expired leases
                     self._handle(self.inputs.get(timeout=timeout))
                     handled = True

@@ -15,13 +15,17 @@ from baton.kv_transfer.params import KVTransferParams
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()  # its prompt KV is being pulled from a prefill engine
+    # Its grammar is compiling (vLLM's WAITING_FOR_FSM): it sits in `waiting`, skipped by the
+    # scheduler (not blocking the queue's head) until the compiler is done with it.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this line is finished.
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
-    FINISHED_ERROR = enum.auto()  # ended by the engine (a failed KV load under policy "fail")
+    # Ended by the engine: a failed KV load under policy "fail", a grammar that did not compile.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -63,7 +67,11 @@ class Request:
         # Samples of one prompt (n > 1) share a group so the scheduler can let the first one fill
         # the prefix cache before the others look it up.
         self.group_id = group_id
-        self.status = RequestStatus.WAITING
+        self.status = (
+            RequestStatus.WAITING
+            if sampling_params.structured_outputs is None
+            else RequestStatus.WAITING_FOR_FSM
+        )
         # The KV connector's instructions (do_remote_decode, or do_remote_prefill and where).
         self.kv_transfer_params = kv_transfer_params
         self.kv_load_tried = False  # a remote pull is tried once; a failure recomputes locally
@@ -103,6 +111,10 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     def is_finished(self) -> bool:
         return self.status.finished

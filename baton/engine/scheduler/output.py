@@ -1,8 +1,11 @@
-"""The contract between scheduler and worker: plain dataclasses of ints and lists, no tensors."""
+"""The contract between scheduler and worker: plain dataclasses of ints, lists and numpy arrays,
+no tensors (they are pickled to every tensor-parallel rank)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from baton.engine.protocol import LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
@@ -44,6 +47,13 @@ class SchedulerOutput:
     # Requests finished (or preempted) since the last step: the worker drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs (vLLM's `structured_output_request_ids` + `grammar_bitmask`): the
+    # constrained requests that sample this step, and their rows of the grammar's token mask,
+    # int32 [len(ids), ceil(vocab / 32)], bit t of row i = token t allowed for ids[i]. The runner
+    # maps the rows onto its sample rows; a sampling request not listed is unconstrained. None
+    # when nothing sampled this step is constrained.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from baton.engine.scheduler.output import (
 )
 from baton.engine.scheduler.remote_kv import RemoteKV
 from baton.engine.scheduler.request_queue import make_queue
+from baton.engine.scheduler.structured import GrammarManager
 from baton.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_config: KVCacheConfig,
         connector: KVConnectorBase | None = None,
+        structured_output_manager: GrammarManager | None = None,
     ) -> None:
         self.config = config
+        # Structured outputs: the requests' grammars. The EngineCore sets it when the first
+        # constrained request arrives; a scheduler without one refuses constrained requests.
+        self.structured = structured_output_manager
         self.kv = KVCacheManager(kv_cache_config)
         # Disaggregated serving (a KV connector): parked pulls and leased blocks.
         self.remote_kv = RemoteKV(connector, self.kv) if connector is not None else None
@@ -63,6 +68,10 @@ class Scheduler:
         # siblings wait a step so that they find the prompt blocks cached instead of recomputing.
         self._group_leaders: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Requests the scheduler ended on its own outside `update_from_output` (a grammar that
+        # did not compile): their last outputs, until the EngineCore takes them.
+        self._outputs: list[EngineCoreOutput] = []
+        self._compiling: set[str] = set()  # requests in WAITING_FOR_FSM
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -76,8 +85,41 @@ class Scheduler:
                 f"prompt is {request.num_prompt_tokens} tokens, more than max_model_len "
                 f"{self.config.max_model_len}"
             )
+        params = request.sampling_params.structured_outputs
+        if params is not None:
+            if self.structured is None:
+                raise ValueError("this engine has no structured-output backend")
+            # Compiles on the manager's pool; the request waits (WAITING_FOR_FSM) until done.
+            self.structured.add_request(request.request_id, params)
+            self._compiling.add(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+
+    def reject_request(self, request: Request, error: str) -> None:
+        """Ends a request that never entered the scheduler with an error the client sees (an
+        engine that cannot build its grammar backend): nothing may wait for it forever."""
+        logger.warning("request %s failed: %s", request.request_id, error)
+        self._outputs.append(
+            EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
+        )
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs of requests ended outside `update_from_output`, once."""
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        """Ends a request with an error; it must be out of `running` and `waiting` already."""
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = error
+        self._free_request(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason="error",
+            error=error,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Ends requests from outside the step (aborts, stop strings found by the detokenizer)."""
@@ -99,6 +141,9 @@ class Scheduler:
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
+        if request.use_structured_output and self.structured is not None:
+            self.structured.remove(request.request_id)
+            self._compiling.discard(request.request_id)
         if self.remote_kv is None or not self.remote_kv.holds_blocks(request.request_id):
             self.kv.free(request)
         if self._group_leaders.get(request.group_id or "") is request:
@@ -107,13 +152,35 @@ class Scheduler:
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or self._num_waiting_for_kvs() > 0
+        # A request ended outside a step still owes its last output: the loop must step once.
+        return (
+            bool(self.running)
+            or len(self.waiting) > 0
+            or self._num_waiting_for_kvs() > 0
+            or bool(self._outputs)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.running) + len(self.waiting) + self._num_waiting_for_kvs()
 
     def _num_waiting_for_kvs(self) -> int:
         return len(self.remote_kv.waiting_for_kvs) if self.remote_kv is not None else 0
+
+    def needs_sampled_tokens(self) -> bool:
+        """Whether a constrained request has a sampled token not back yet. Its next mask
+        depends on that token, so with async scheduling the EngineCore finishes the step in
+        flight before scheduling the next (otherwise `schedule` skips the request a step).
+        Preempted requests count too: one preempted with its token in flight may resume now."""
+        if self.structured is None:
+            return False
+        return any(
+            r.use_structured_output and r.num_output_placeholders for r in self.requests.values()
+        )
+
+    def is_compiling(self) -> bool:
+        """Whether a request waits for its grammar: the busy loop then polls often, since
+        nothing else wakes it when a compile ends."""
+        return bool(self._compiling)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -136,6 +203,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.use_structured_output and request.num_output_placeholders:
+                # Its mask needs the token still in flight (async scheduling): next step.
+                i += 1
+                continue
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:  # at max_model_len; update_from_output finishes it
                 i += 1
@@ -176,11 +247,19 @@ class Scheduler:
         if not preempted_now:
             self._schedule_waiting(budget, num_scheduled, new_reqs, cached_reqs)
 
+        constrained: list[str] = []  # requests with a grammar that sample this step
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
+                if request.use_structured_output:
+                    constrained.append(req_id)
+        # A prompt chunk that does not reach the end samples nothing and needs no mask.
+        bitmask = None
+        if constrained:
+            assert self.structured is not None
+            bitmask = self.structured.bitmask(constrained)
 
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -189,6 +268,8 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=self._preempted_req_ids,
+            structured_output_request_ids=constrained if bitmask is not None else [],
+            grammar_bitmask=bitmask,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -217,6 +298,23 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            if request.use_structured_output and request.num_output_placeholders:
+                # Preempted with its token in flight (async scheduling): its mask needs it.
+                deferred.append(self.waiting.pop())
+                continue
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                assert self.structured is not None
+                if not self.structured.is_ready(request.request_id):
+                    deferred.append(self.waiting.pop())  # still compiling: skipped, not blocking
+                    continue
+                self._compiling.discard(request.request_id)
+                error = self.structured.error(request.request_id)
+                if error is not None:
+                    self.waiting.pop()
+                    logger.warning("grammar of request %s failed: %s", request.request_id, error)
+                    self._outputs.append(self._fail(request, error))
+                    continue
+                request.status = RequestStatus.WAITING
             leader = self._group_leaders.get(request.group_id or "")
             if leader is not None and leader is not request:
                 deferred.append(self.waiting.pop())
@@ -320,21 +418,42 @@ class Scheduler:
             if token is None:
                 continue  # a partial prompt chunk: nothing sampled yet
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            if request.use_structured_output and not self._structured.accept(req_id, token):
+                outputs.append(self._fail_running(request, token, stopped))
+                continue
             request.append_output_token(token)
             self._check_stop(request, token)
+            new_token_ids = [token]
+            logprobs = runner_output.logprobs.get(req_id)
+            if self._grammar_done_but_eos_blocked(request):
+                # The token goes out first, then a separate, empty "stop": the output side
+                # takes the last token of a "stop" output for an EOS or stop token and drops
+                # its text, but this one is part of the answer.
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=[logprobs] if logprobs is not None else None,
+                        num_cached_tokens=request.num_cached_tokens,
+                        queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
+                    )
+                )
+                request.status = RequestStatus.FINISHED_STOPPED
+                new_token_ids, logprobs = [], None
             kv_params = None
             if request.is_finished() and self.remote_kv is not None:
                 kv_params = self.remote_kv.request_finished(request)
-            logprobs = runner_output.logprobs.get(req_id)
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
-                    new_token_ids=[token],
+                    new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else None,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
-                    queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
+                    queue_time=_queue_time(request)
+                    if request.num_output_tokens == 1 and new_token_ids
+                    else None,
                     kv_transfer_params=kv_params,
                 )
             )
@@ -351,6 +470,47 @@ class Scheduler:
             for request in stopped:
                 self._free_request(request)
         return outputs
+
+    @property
+    def _structured(self) -> GrammarManager:
+        assert self.structured is not None, "a constrained request without a grammar manager"
+        return self.structured
+
+    def _grammar_done_but_eos_blocked(self, request: Request) -> bool:
+        """Whether a running request's grammar is complete while EOS cannot end it.
+
+        A complete grammar leaves EOS as the only token its mask allows. With `min_tokens` not
+        reached, or `ignore_eos`, EOS would not end the request (and `min_tokens` would forbid
+        it: a row with nothing allowed), so the request ends with "stop" here instead: the
+        structured answer is whole and nothing may follow it.
+        """
+        if not request.use_structured_output or request.is_finished():
+            return False
+        params = request.sampling_params
+        if not (params.ignore_eos or request.num_output_tokens < params.min_tokens):
+            return False
+        return self._structured.is_terminated(request.request_id)
+
+    def _fail_running(
+        self, request: Request, token: int, stopped: list[Request]
+    ) -> EngineCoreOutput:
+        """A constrained request sampled a token its own mask forbade: an engine bug, logged;
+        the request ends with an error rather than with an answer that breaks its grammar."""
+        logger.error(
+            "request %s sampled token %d, which its grammar rejects; ending it",
+            request.request_id,
+            token,
+        )
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = "internal error: the sampled token breaks the request's grammar"
+        stopped.append(request)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason="error",
+            error=request.error,
+            num_cached_tokens=request.num_cached_tokens,
+        )
 
     def _check_stop(self, request: Request, token: int) -> None:
         # Length first, as vLLM does: the last allowed token ends the request with "length"

@@ -241,11 +241,28 @@ class ModelRunner:
         last_token_idx = h2d((query_start_loc[1:][sample_rows] - 1).astype(np.int64))
         logits = self.model.compute_logits(hidden[last_token_idx])
         sampled = [scheduled[r] for r in sample_rows]
-        result = self.sampler(logits, self._sampling_metadata(sampled))
+        metadata = self._sampling_metadata(sampled)
+        metadata.token_bitmask = self._token_bitmask(out, sampled)
+        result = self.sampler(logits, metadata)
         for state in sampled:
             state.num_pending += 1
         self._pending = PendingOutput(sampled, result)
         return self._pending
+
+    def _token_bitmask(
+        self, out: SchedulerOutput, sampled: list[CachedRequestState]
+    ) -> torch.Tensor | None:
+        """The grammar's mask in this step's sample-row order: the scheduler's rows follow its
+        own list of constrained requests; the rows of unconstrained requests allow everything."""
+        if out.grammar_bitmask is None:
+            return None
+        rows = {req_id: i for i, req_id in enumerate(out.structured_output_request_ids)}
+        mask = np.full((len(sampled), out.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+        for i, state in enumerate(sampled):
+            row = rows.get(state.req_id)
+            if row is not None:
+                mask[i] = out.grammar_bitmask[row]
+        return self._to_device(mask)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array to device without blocking: a copy from pageable memory would first wait

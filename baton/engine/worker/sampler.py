@@ -51,6 +51,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Shared generator for random rows without a seed; None means torch's default generator.
     generator: torch.Generator | None = None
+    # [B, ceil(V / 32)] int32, bit t of row i set = token t allowed (structured outputs); None
+    # when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +76,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([B, vocab]) as `metadata` asks."""
         _check_shapes(logits, metadata)
+        if metadata.token_bitmask is not None:
+            # First, as vLLM's runner masks the logits before its sampler sees them.
+            logits = apply_token_bitmask(logits, metadata.token_bitmask)
         needs_penalties = _needs_penalties(metadata)
         k = metadata.max_num_logprobs
         # all_greedy promises no penalties or blocks, but checking costs nothing and stays correct.
@@ -110,6 +116,17 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, k)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` with every token whose bit is clear set to -inf."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    if allowed.shape[1] < vocab:  # a mask narrower than the logits forbids the rest
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_min_tokens_block(logits: torch.Tensor, block: dict[int, list[int]]) -> torch.Tensor:

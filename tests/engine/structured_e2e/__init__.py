@@ -1,0 +1,1 @@
+"""Structured outputs end to end through the in-process engine."""
