@@ -1,4 +1,10 @@
-"""Turn one step's logits into next tokens: penalties, temperature, top-k/top-p/min-p, logprobs.
+"""Turn one step's logits into next tokens: the grammar mask, allowed tokens, bad words, logit bias,
+penalties, temperature, top-k/top-p/min-p, logprobs.
+
+The order is vLLM V1's (vllm/v1/sample/sampler.py and the runner's grammar bitmask before it): the
+grammar bitmask first, then the raw logprobs are taken, then allowed_token_ids, bad words,
+min_tokens and logit_bias, penalties, and only then temperature and the truncations. So logprobs
+see the grammar (a forbidden token is -inf) but not the other processors.
 
 One row per request sampled this step. Everything is vectorised over the batch; the only
 per-row Python work is drawing noise from a seeded request's own generator and flattening the
@@ -51,6 +57,29 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Shared generator for random rows without a seed; None means torch's default generator.
     generator: torch.Generator | None = None
+    # [B, ceil(V/32)] int32, bit t of row i set = token t allowed (the grammar's mask); a row
+    # with no constraint is all ones. None when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
+    # Rows restricted to `allowed_token_ids`: ([R] int64 rows, [R, V] bool, True = allowed).
+    # None when no row restricts.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids) to forbid this step for bad words, already matched against each row's
+    # output by the runner ([N] int64 each); None when none applies this step.
+    bad_words_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) of every row's logit_bias ([N] int64, int64, float32); None when
+    # no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether anything besides the grammar changes the logits before sampling."""
+        return (
+            _needs_penalties(self)
+            or bool(self.min_tokens_block)
+            or self.allowed_token_ids is not None
+            or self.bad_words_block is not None
+            or self.logit_bias is not None
+        )
 
 
 @dataclass
@@ -73,20 +102,32 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([B, vocab]) as `metadata` asks."""
         _check_shapes(logits, metadata)
-        needs_penalties = _needs_penalties(metadata)
         k = metadata.max_num_logprobs
-        # all_greedy promises no penalties or blocks, but checking costs nothing and stays correct.
-        if metadata.all_greedy and k is None and not (needs_penalties or metadata.min_tokens_block):
+        if metadata.token_bitmask is not None:
+            # Out of place: the caller's logits stay untouched, and this is the float32 copy.
+            logits = apply_token_bitmask(logits.to(torch.float32), metadata.token_bitmask)
+        # all_greedy promises no processors, but checking costs nothing and stays correct.
+        if metadata.all_greedy and k is None and not metadata.has_processors:
             return SamplerOutput(logits.argmax(dim=-1), None, None, None)
 
         # One float32 copy we may modify in place, whatever dtype the model produced.
-        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        if metadata.token_bitmask is None:
+            logits = logits.to(torch.float32, copy=True)  # [B, V]
         # Logprobs describe the model, not the sampling parameters, so they come from raw logits.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k is not None else None
 
+        if metadata.allowed_token_ids is not None:
+            rows, allowed = metadata.allowed_token_ids
+            logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+        if metadata.bad_words_block is not None:
+            rows, cols = metadata.bad_words_block
+            logits[rows, cols] = float("-inf")
         if metadata.min_tokens_block:
             apply_min_tokens_block(logits, metadata.min_tokens_block)
-        if needs_penalties:
+        if metadata.logit_bias is not None:
+            rows, cols, bias = metadata.logit_bias
+            logits.index_put_((rows, cols), bias, accumulate=True)
+        if _needs_penalties(metadata):
             apply_penalties(logits, metadata)
 
         greedy_tokens = logits.argmax(dim=-1)  # [B]
@@ -110,6 +151,24 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled, k)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Return `logits` with every token whose bit is clear set to -inf (a new tensor).
+
+    Bit t of a row lives at word t // 32, bit t % 32 (llguidance's and xgrammar's layout).
+    """
+    batch_size, vocab_size = logits.shape
+    words = bitmask.to(device=logits.device, dtype=torch.int32)
+    if words.shape != (batch_size, (vocab_size + 31) // 32):
+        raise ValueError(
+            f"token_bitmask must have shape ({batch_size}, {(vocab_size + 31) // 32}) for logits "
+            f"of shape {tuple(logits.shape)}, got {tuple(words.shape)}"
+        )
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    # A sign bit's arithmetic shift fills with ones, but `& 1` keeps only the bit asked for.
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(batch_size, -1)
+    return logits.masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 
 def apply_min_tokens_block(logits: torch.Tensor, block: dict[int, list[int]]) -> torch.Tensor:
@@ -250,6 +309,13 @@ def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
             f"temperature must have shape ({batch_size},) to match the logits, "
             f"got {tuple(metadata.temperature.shape)}"
         )
+    if metadata.allowed_token_ids is not None:
+        rows, allowed = metadata.allowed_token_ids
+        if allowed.shape != (rows.shape[0], logits.shape[1]):
+            raise ValueError(
+                f"allowed_token_ids mask must have shape ({rows.shape[0]}, {logits.shape[1]}), "
+                f"got {tuple(allowed.shape)}"
+            )
     if _needs_penalties(metadata) and len(metadata.output_token_ids) != batch_size:
         raise ValueError(
             f"output_token_ids has {len(metadata.output_token_ids)} rows, logits have {batch_size}"
