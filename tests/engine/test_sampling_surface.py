@@ -236,3 +236,19 @@ def test_include_stop_str_in_output(llm: LLM) -> None:
         assert out.token_ids == free.token_ids[:end] and out.stop_reason == stop_id
         shown = free.token_ids[:end] if include else free.token_ids[: end - 1]
         assert out.text == tok.decode(shown)
+
+
+def test_out_of_vocab_ids_are_rejected_before_queueing(llm: LLM) -> None:
+    """Token ids past the vocab in logit_bias, allowed_token_ids or bad words fail the call with
+    a ValueError naming the field (as vLLM's processor does); the engine keeps serving."""
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    cases = [
+        ("logit_bias", _greedy(logit_bias={VOCAB: 1.0})),
+        ("allowed_token_ids", _greedy(allowed_token_ids=[1, VOCAB + 3])),
+        ("bad_words_token_ids", _greedy(bad_words_token_ids=[[1, VOCAB]])),
+    ]
+    for name, params in cases:
+        with pytest.raises(ValueError, match=rf"prompt 0: {name} has token ids outside"):
+            llm.generate(prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(prompt, _greedy(3))[0].outputs[0].token_ids) == 3
