@@ -252,3 +252,30 @@ def test_out_of_vocab_ids_are_rejected_before_queueing(llm: LLM) -> None:
             llm.generate(prompt, params)
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate(prompt, _greedy(3))[0].outputs[0].token_ids) == 3
+
+
+def test_prompt_logprobs_survive_preemption(model_path: Path) -> None:
+    """Too few KV blocks: requests are preempted (some mid-prompt, in chunks of 16) and
+    recomputed; each one's prompt logprobs still cover every position once, equal to
+    transformers', and its output equals a run without prompt_logprobs."""
+    prompts = [_prompt(n, seed=10 + n) for n in (40, 45, 50, 20, 30, 60)]
+    engine = LLM(
+        str(model_path), max_model_len=128, num_gpu_blocks_override=12, max_num_batched_tokens=16
+    )
+    _copy_prompt_logprobs(engine)
+    try:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outs = engine.generate(inputs, _greedy(30, prompt_logprobs=1))
+        assert engine.engine.scheduler.num_preemptions > 0
+        plain = engine.generate(inputs, _greedy(30))
+    finally:
+        engine.shutdown()
+    for ids, out, ref_out in zip(prompts, outs, plain, strict=True):
+        assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+        ref = torch.log_softmax(_hf_logits(model_path, ids, []), dim=-1)
+        lps = out.prompt_logprobs
+        assert lps is not None and len(lps) == len(ids)
+        for pos in range(1, len(ids)):
+            entry = lps[pos]
+            assert entry is not None
+            assert entry[ids[pos]].logprob == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
