@@ -410,11 +410,11 @@ class ModelRunner:
         blocked = [(r, ids) for r, ids in blocked if len(ids)]
         if blocked:
             bad_words = rows_cols(blocked)
-        processors = bool(biased or restricted or blocked)
 
         return SamplingMetadata(
             temperature=self._to_device(np.asarray([p.temperature for p in params], np.float32)),
-            all_greedy=greedy and not penalties and not min_block and not processors,
+            # Processors run first either way; all-greedy rows then need only the argmax.
+            all_greedy=greedy,
             top_k=column([p.top_k for p in params], 0, np.int64),
             top_p=column([p.top_p for p in params], 1.0, np.float32),
             min_p=column([p.min_p for p in params], 0.0, np.float32),

@@ -31,7 +31,8 @@ class SamplingMetadata:
 
     # [B] float32; rows below 1e-5 are greedy.
     temperature: torch.Tensor
-    # Every row greedy with no penalties and no min_tokens block: argmax is all there is to do.
+    # Every row greedy: after the logits processors (penalties, bias, bans), the argmax is all
+    # there is to do; with none of them and no logprobs, the argmax of the raw logits.
     all_greedy: bool
     # [B] int64; 0 or >= vocab disables it for that row. None when no row uses top-k.
     top_k: torch.Tensor | None
@@ -168,7 +169,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     # A sign bit's arithmetic shift fills with ones, but `& 1` keeps only the bit asked for.
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(batch_size, -1)
-    return logits.masked_fill(~allowed[:, :vocab_size], float("-inf"))
+    return torch.where(allowed[:, :vocab_size], logits, float("-inf"))
 
 
 def apply_min_tokens_block(logits: torch.Tensor, block: dict[int, list[int]]) -> torch.Tensor:
