@@ -90,10 +90,10 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = out.queue_time
-            if sample.params.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 # The request's first output carries them (n > 1: any child's, all equal).
                 # Nothing predicts the first prompt token, so its entry is None, as in vLLM.
-                entries = out.prompt_logprobs or []
+                entries = out.prompt_logprobs
                 parent.prompt_logprobs = [None, *(self._logprob_dict(e) for e in entries)]
             if out.new_logprobs and sample.logprobs is not None:
                 for entry in out.new_logprobs:

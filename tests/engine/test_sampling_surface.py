@@ -151,23 +151,33 @@ def test_bad_words(llm: LLM, model_path: Path) -> None:
     _assert_greedy_under(model_path, ids, pair, ban_after_first)
 
 
-def test_bad_words_with_async_scheduling(model_path: Path) -> None:
+def test_bad_words_and_prompt_logprobs_with_async_scheduling(model_path: Path) -> None:
     """Under async scheduling the last token is still on the device when the next step is
-    built; a two-token bad word must still see it (the runner waits for it)."""
+    built; a two-token bad word must still see it (the runner waits for it), and prompt
+    logprobs read later from the step's pending output equal transformers'."""
     ids = _prompt(10, seed=2)
-    engine = LLM(str(model_path), max_model_len=128, async_scheduling=True)
+    engine = LLM(
+        str(model_path), max_model_len=128, async_scheduling=True, max_num_batched_tokens=16
+    )
+    _copy_prompt_logprobs(engine)
+    long_ids = _prompt(40, seed=3)
     try:
         free = engine.generate({"prompt_token_ids": ids}, _greedy(24))[0].outputs[0].token_ids
         word = [free[3], free[4]]
-        out = (
-            engine.generate({"prompt_token_ids": ids}, _greedy(24, bad_words_token_ids=[word]))[0]
-            .outputs[0]
-            .token_ids
-        )
+        params = _greedy(24, bad_words_token_ids=[word])
+        out = engine.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+        long_params = _greedy(4, prompt_logprobs=2)
+        lps = engine.generate({"prompt_token_ids": long_ids}, long_params)[0].prompt_logprobs
     finally:
         engine.shutdown()
     assert out[:4] == free[:4] and out[4] != word[1]
     assert all(out[i : i + 2] != word for i in range(len(out) - 1))
+    ref = torch.log_softmax(_hf_logits(model_path, long_ids, []), dim=-1)
+    assert lps is not None and len(lps) == 40
+    for pos, entry in enumerate(lps[1:], start=1):
+        assert entry is not None and long_ids[pos] in entry
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(float(ref[pos - 1, tid]), abs=1e-4)
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(llm: LLM, model_path: Path) -> None:

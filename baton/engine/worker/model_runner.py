@@ -308,8 +308,15 @@ class ModelRunner:
         prompt_logprobs = {}
         for state in sampled:
             if state.sampling_params.prompt_logprobs is not None and state.in_prompt:
-                prompt_logprobs[state.req_id] = state.prompt_logprobs
-                state.prompt_logprobs = []
+                chunks, state.prompt_logprobs = state.prompt_logprobs, []
+                if _covers_prompt(chunks, state.num_prompt_tokens):
+                    prompt_logprobs[state.req_id] = chunks
+                else:  # never misaligned: positions 1.. or nothing
+                    logger.warning(
+                        "request %s: prompt logprobs not sent, part of its prompt came with "
+                        "its KV (a prefix-cache hit or a KV pull) and was never computed here",
+                        state.req_id,
+                    )
         for state in sampled:
             state.num_pending += 1
         self._pending = PendingOutput(sampled, result, prompt_logprobs)
@@ -446,6 +453,18 @@ class ModelRunner:
             if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
                 ids.append(word[-1])
         return np.asarray(ids, np.int64)
+
+
+def _covers_prompt(
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], num_prompt_tokens: int
+) -> bool:
+    """Whether the chunks hold exactly prompt positions 1 .. n-1, each once, in some order."""
+    expected = 1
+    for first, ids, _, _ in sorted(chunks, key=lambda c: c[0]):
+        if first != expected:
+            return False
+        expected += len(ids)
+    return expected == max(num_prompt_tokens, 1)
 
 
 def _truncate_chunks(
