@@ -47,7 +47,10 @@ class LLM:
         """Generates for every prompt; outputs come back in input order.
 
         Every prompt is checked before any is queued, so one bad prompt fails the call with a
-        `ValueError` naming it and leaves the engine untouched.
+        `ValueError` naming it and leaves the engine untouched; so are the token ids its params
+        carry (logit_bias, allowed_token_ids, bad_words_token_ids). The whole sampling surface
+        (docs/sampling.md) goes to the engine as given, `prompt_logprobs` and
+        `include_stop_str_in_output` included.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

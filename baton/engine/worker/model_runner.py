@@ -304,7 +304,7 @@ class ModelRunner:
         last_token_idx = h2d((query_start_loc[1:][sample_rows] - 1).astype(np.int64))
         logits = self.model.compute_logits(hidden[last_token_idx])
         sampled = [scheduled[r] for r in sample_rows]
-        result = self.sampler(logits, self._sampling_metadata(sampled, logits.shape[-1]))
+        result = self.sampler(logits, self._sampling_metadata(sampled))
         prompt_logprobs = {}
         for state in sampled:
             if state.sampling_params.prompt_logprobs is not None and state.in_prompt:
@@ -376,9 +376,7 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _sampling_metadata(
-        self, states: list[CachedRequestState], vocab_size: int
-    ) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         greedy = all(p.greedy for p in params)
         needs_logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -406,10 +404,10 @@ class ModelRunner:
             rows, cols = rows_cols([(r, b[0]) for r, b in biased])
             logit_bias = (rows, cols, self._to_device(np.concatenate([b[1] for _, b in biased])))
         allowed = None
-        restricted = [r for r, s in enumerate(states) if s.allowed_mask is not None]
-        if restricted:
-            masks = [states[r].allowed_mask for r in restricted]
-            allowed = (self._to_device(np.asarray(restricted, np.int64)), torch.stack(masks))  # type: ignore[arg-type]
+        masks = {r: s.allowed_mask for r, s in enumerate(states) if s.allowed_mask is not None}
+        if masks:
+            restricted = self._to_device(np.asarray(list(masks), np.int64))
+            allowed = (restricted, torch.stack(list(masks.values())))
         bad_words = None
         blocked = [
             (r, self._bad_word_block(s)) for r, s in enumerate(states) if s.banned or s.bad_words
