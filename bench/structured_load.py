@@ -179,7 +179,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
     rng = random.Random(0)
-    words = "relay baton runner zone hand pass track lane team sprint".split()
+    words = ["relay", "baton", "runner", "zone", "hand", "pass", "track", "lane", "team"]
     prompts = [" ".join(rng.choices(words, k=rng.randint(8, 40))) for _ in range(2 * args.streams)]
     with tempfile.TemporaryDirectory() as tmp:
         model = write_tiny_model(Path(tmp) / "model", "llama", "small")
@@ -207,10 +207,9 @@ def main() -> int:
     print(f"mean ratio (constrained / free): {ratio:.2f}  (aim: >= 0.90)")
     print(f"JSON-schema streams: {valid}/{total} ended and validated in {seconds:.1f} s")
     if args.json is not None:
-        args.json.write_text(
-            json.dumps({"base": base, "constrained": constrained, "ratio": ratio,
-                        "schema_valid": valid, "schema_total": total}, indent=1)  # fmt: skip
-        )
+        figures = {"base": base, "constrained": constrained, "ratio": ratio}
+        figures |= {"schema_valid": valid, "schema_total": total}
+        args.json.write_text(json.dumps(figures, indent=1))
     return 0 if valid == total else 1
 
 

@@ -37,9 +37,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
         prompt_token_ids: Sequence[int] = (),
+        include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.min_tokens = min_tokens
         self.token_ids: list[int] = []
@@ -47,15 +49,30 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         self._seed = self._clean_tail(prompt_token_ids)
         self._stream = DecodeStream(ids=self._seed, skip_special_tokens=skip_special_tokens)
-        self._held = 0  # token_ids[_held:] are in the stream but not yet in the text
+        self._held = 0  # token_ids[_held:_fed] are in the stream but not yet in the text
+        self._fed = 0  # token_ids[:_fed] went through the stream (a stop token may not)
 
-    def update(self, new_token_ids: list[int]) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> str | None:
         """Appends tokens; returns the stop string that ended the text, if one did.
 
-        When a stop string is found the text is cut just before it (it is not returned).
+        When a stop string is found the text is cut just before it, or just after it with
+        `include_stop_str_in_output`. `stop_terminated`: the last token is the EOS or stop token
+        that ended the request; as in vLLM (vllm/v1/engine/detokenizer.py) its text is left out
+        unless `include_stop_str_in_output`, though the token stays in `token_ids`.
         """
+        skipped = None
+        if stop_terminated and new_token_ids and not self.include_stop_str_in_output:
+            *new_token_ids, skipped = new_token_ids
+        try:
+            return self._update(new_token_ids)
+        finally:
+            if skipped is not None:
+                self.token_ids.append(skipped)
+
+    def _update(self, new_token_ids: list[int]) -> str | None:
         for token in new_token_ids:
             self.token_ids.append(token)
+            self._fed = len(self.token_ids)
             piece = self._step(token)
             if piece is None:
                 continue  # wait for the rest of the character
@@ -70,12 +87,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end: whatever is still held back (an unfinished character) becomes text."""
-        if self.stop_reason is None and self._held < len(self.token_ids):
+        if self.stop_reason is None and self._held < self._fed:
             context = self._context()
             prefix = self._decode(context)
-            full = self._decode(context + self.token_ids[self._held :])
+            full = self._decode(context + self.token_ids[self._held : self._fed])
             self.text += full[len(prefix) :]
-            self._held = len(self.token_ids)
+            self._held = self._fed
 
     def _step(self, token: int) -> str | None:
         try:
@@ -119,6 +136,7 @@ class IncrementalDetokenizer:
                 best = (idx, s)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
+        end = best[0] + len(best[1]) if self.include_stop_str_in_output else best[0]
+        self.text = self.text[:end]
         self.stop_reason = best[1]
         return best[1]

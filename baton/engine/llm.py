@@ -47,7 +47,10 @@ class LLM:
         """Generates for every prompt; outputs come back in input order.
 
         Every prompt is checked before any is queued, so one bad prompt fails the call with a
-        `ValueError` naming it and leaves the engine untouched.
+        `ValueError` naming it and leaves the engine untouched; so are the token ids its params
+        carry (logit_bias, allowed_token_ids, bad_words_token_ids). The whole sampling surface
+        (docs/sampling.md) goes to the engine as given, `prompt_logprobs` and
+        `include_stop_str_in_output` included.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -64,9 +67,10 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         inputs = [self._tokenize(p, i) for i, p in enumerate(prompts)]
         vocab_size = self.engine.model_config.vocab_size
-        for i, (_, ids) in enumerate(inputs):
+        for i, ((_, ids), params) in enumerate(zip(inputs, params_list, strict=True)):
             try:
                 check_prompt_token_ids(ids, self.engine.max_model_len, vocab_size)
+                _check_sampling_token_ids(params, vocab_size)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         request_ids = []
@@ -137,3 +141,20 @@ class LLM:
                 if output.finished:
                     results[output.request_id] = output
         return [results[r] for r in request_ids]
+
+
+def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raises ValueError naming the field when a token id in the params is outside the vocab.
+
+    vLLM rejects these at its processor too (out-of-vocab logit_bias and allowed_token_ids);
+    the engine would otherwise drop them silently.
+    """
+    fields: list[tuple[str, list[int]]] = [
+        ("logit_bias", list(params.logit_bias or {})),
+        ("allowed_token_ids", list(params.allowed_token_ids or [])),
+        ("bad_words_token_ids", [t for word in params.bad_words_token_ids for t in word]),
+    ]
+    for name, ids in fields:
+        bad = sorted({t for t in ids if t >= vocab_size})
+        if bad:
+            raise ValueError(f"{name} has token ids outside [0, {vocab_size}): {bad[:5]}")

@@ -30,6 +30,7 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: dict[str, _Sample] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -61,6 +62,7 @@ class OutputProcessor:
                 params.skip_special_tokens,
                 params.min_tokens,
                 prompt_token_ids,
+                params.include_stop_str_in_output,
             )
             want_logprobs = params.logprobs is not None
             parent.samples[child_id] = _Sample(
@@ -88,13 +90,21 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = out.queue_time
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                # The request's first output carries them (n > 1: any child's, all equal).
+                # Nothing predicts the first prompt token, so its entry is None, as in vLLM.
+                entries = out.prompt_logprobs
+                parent.prompt_logprobs = [None, *(self._logprob_dict(e) for e in entries)]
             if out.new_logprobs and sample.logprobs is not None:
                 for entry in out.new_logprobs:
                     sample.logprobs.append(self._logprob_dict(entry))
                     sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + (
                         entry.logprobs[0]
                     )
-            stop = sample.detok.update(out.new_token_ids)
+            # "stop" from the core is an EOS or stop token id (stop strings are found here).
+            stop = sample.detok.update(
+                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
+            )
             if stop is not None and out.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 to_abort.append(out.request_id)
@@ -153,6 +163,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             outputs=outputs,
+            prompt_logprobs=parent.prompt_logprobs,
             finished=parent.finished(),
             num_cached_tokens=parent.num_cached_tokens,
             queue_time=parent.queue_time,

@@ -66,8 +66,13 @@ class KVCacheManager:
         """Longest cached prefix of the request, in whole blocks; side-effect free on the pool.
 
         At least the last token is always left to compute: its logits are needed to sample.
+        A request asking for prompt logprobs gets no hits (and counts no query), as in vLLM:
+        a cached position's logits were never kept, so every prompt position must be computed.
         """
         if not self.enable_caching:
+            return [], 0
+        params = request.sampling_params
+        if params is not None and params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -62,3 +62,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, LogprobsEntry] = field(default_factory=dict)
+    # Requests whose prompt finished this step and asked for prompt_logprobs: one entry per
+    # prompt position 1.. (the first entry's first token is the prompt's second token); sent
+    # once, on the step that samples the request's first token.
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)

@@ -425,6 +425,7 @@ class Scheduler:
             self._check_stop(request, token)
             new_token_ids = [token]
             logprobs = runner_output.logprobs.get(req_id)
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if self._grammar_done_but_eos_blocked(request):
                 # The token goes out first, then a separate, empty "stop": the output side
                 # takes the last token of a "stop" output for an EOS or stop token and drops
@@ -434,12 +435,13 @@ class Scheduler:
                         request_id=req_id,
                         new_token_ids=new_token_ids,
                         new_logprobs=[logprobs] if logprobs is not None else None,
+                        prompt_logprobs=prompt_logprobs,
                         num_cached_tokens=request.num_cached_tokens,
                         queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
                     )
                 )
                 request.status = RequestStatus.FINISHED_STOPPED
-                new_token_ids, logprobs = [], None
+                new_token_ids, logprobs, prompt_logprobs = [], None, None
             kv_params = None
             if request.is_finished() and self.remote_kv is not None:
                 kv_params = self.remote_kv.request_finished(request)
@@ -448,6 +450,7 @@ class Scheduler:
                     request_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else None,
+                    prompt_logprobs=prompt_logprobs,
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -15,9 +15,18 @@ from baton.engine.models.tensor_parallel import TensorParallel
 from baton.engine.protocol import LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
+from baton.engine.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    gather_logprobs,
+)
 
 logger = logging.getLogger(__name__)
+
+# Prompt logprobs take the full-vocabulary logits of every prompt position; this many positions
+# at a time bounds that memory (rows x vocab float32) whatever the chunk size.
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 @dataclass
@@ -42,22 +51,63 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_computed_tokens: int = 0  # in the cache before this step: this step runs from here
     num_pending: int = 0  # sampled on the device, not yet appended to token_ids
+    # Prompt logprobs computed so far, chunk by chunk, still on the device: (first prompt
+    # position predicted, [m, k+1] ids, [m, k+1] logprobs, [m] ranks).
+    prompt_logprobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list
+    )
+    # Built once from the sampling params, for the logits' width (ids past it are dropped).
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+    allowed_mask: torch.Tensor | None = None  # [V] bool on the device, True = allowed
+    banned: list[int] = field(default_factory=list)  # one-token bad words: always forbidden
+    bad_words: list[list[int]] = field(default_factory=list)  # longer ones: need the output
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def in_prompt(self) -> bool:
+        """Still computing the prompt: nothing sampled yet, not even on the device."""
+        return self.num_pending == 0 and len(self.token_ids) == self.num_prompt_tokens
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
+def _needs_history(p: SamplingParams) -> bool:
+    """Whether sampling reads the request's past output tokens on the host."""
+    return _uses_penalties(p) or any(len(w) > 1 for w in p.bad_words_token_ids)
+
+
+def _prompt_logprobs_entries(
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> list[LogprobsEntry]:
+    """One `LogprobsEntry` per prompt position 1.., from the chunks in position order."""
+    if not chunks:  # a one-token prompt: nothing predicts anything in it
+        return []
+    chunks = sorted(chunks, key=lambda c: c[0])
+    ids = torch.cat([c[1] for c in chunks]).tolist()
+    lps = torch.cat([c[2] for c in chunks]).tolist()
+    ranks = torch.cat([c[3] for c in chunks]).tolist()
+    return [LogprobsEntry(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
+
+
 class PendingOutput:
     """A step's sampled tokens, still on the device until `result()` reads them (once)."""
 
-    def __init__(self, states: list[CachedRequestState], result: SamplerOutput | None) -> None:
+    def __init__(
+        self,
+        states: list[CachedRequestState],
+        result: SamplerOutput | None,
+        prompt_logprobs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]
+        | None = None,
+    ) -> None:
         self.states = states
         self.sampler_output = result
+        # Requests whose prompt ended this step: their prompt logprobs, read with the tokens.
+        self.prompt_logprobs = prompt_logprobs or {}
         self.sampled = result.sampled_token_ids if result is not None else None
         self.row_of = {s.req_id: i for i, s in enumerate(states)}
         self._output: ModelRunnerOutput | None = None
@@ -87,6 +137,8 @@ class PendingOutput:
                         output.logprobs[state.req_id] = LogprobsEntry(
                             ids[i][: k + 1], lps[i][: k + 1], ranks[i]
                         )
+        for req_id, chunks in self.prompt_logprobs.items():
+            output.prompt_logprobs[req_id] = _prompt_logprobs_entries(chunks)
         self._output = output
         return output
 
@@ -116,6 +168,7 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self._pending: PendingOutput | None = None  # the last step whose tokens may be unread
+        self._step_tokens: dict[str, int] = {}  # this step's scheduled tokens per request
         self.kv_cache: torch.Tensor | None = None
 
     # ---- KV cache ------------------------------------------------------------------------
@@ -141,7 +194,7 @@ class ModelRunner:
             if new.sampling_params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(new.sampling_params.seed)
-            self.requests[new.req_id] = CachedRequestState(
+            state = CachedRequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
@@ -150,10 +203,16 @@ class ModelRunner:
                 generator=generator,
                 num_computed_tokens=new.num_computed_tokens,
             )
+            self._init_processors(state)
+            self.requests[new.req_id] = state
         for cached in out.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.resumed:
+                # Recomputed from num_computed_tokens on: what was computed past it goes.
+                state.prompt_logprobs = _truncate_chunks(
+                    state.prompt_logprobs, cached.num_computed_tokens
+                )
                 state.block_ids = list(cached.new_block_ids)
                 if cached.all_token_ids is not None:
                     state.token_ids = list(cached.all_token_ids)
@@ -176,10 +235,11 @@ class ModelRunner:
             return PendingOutput.empty()
         assert self.kv_cache is not None, "allocate_kv_cache first"
         scheduled = [self.requests[r] for r in out.num_scheduled_tokens]
+        self._step_tokens = out.num_scheduled_tokens
         if self._pending is not None and any(
-            s.num_pending and _uses_penalties(s.sampling_params) for s in scheduled
+            s.num_pending and _needs_history(s.sampling_params) for s in scheduled
         ):
-            self._pending.result()  # penalties need every past token on the host
+            self._pending.result()  # penalties and bad words need every past token on the host
         bs = self.block_size
         num_reqs = len(scheduled)
         total = out.total_num_scheduled_tokens
@@ -236,6 +296,9 @@ class ModelRunner:
             block_tables_np=block_tables,
         )
         hidden = self.model(input_ids_t, h2d(positions), self.kv_cache, self.attn, meta)
+        for row, state in enumerate(scheduled):
+            if state.sampling_params.prompt_logprobs is not None and state.in_prompt:
+                self._compute_prompt_logprobs(state, hidden, int(query_start_loc[row]))
         if not sample_rows:
             return PendingOutput.empty()
         last_token_idx = h2d((query_start_loc[1:][sample_rows] - 1).astype(np.int64))
@@ -244,9 +307,21 @@ class ModelRunner:
         metadata = self._sampling_metadata(sampled)
         metadata.token_bitmask = self._token_bitmask(out, sampled)
         result = self.sampler(logits, metadata)
+        prompt_logprobs = {}
+        for state in sampled:
+            if state.sampling_params.prompt_logprobs is not None and state.in_prompt:
+                chunks, state.prompt_logprobs = state.prompt_logprobs, []
+                if _covers_prompt(chunks, state.num_prompt_tokens):
+                    prompt_logprobs[state.req_id] = chunks
+                else:  # never misaligned: positions 1.. or nothing
+                    logger.warning(
+                        "request %s: prompt logprobs not sent, part of its prompt came with "
+                        "its KV (a prefix-cache hit or a KV pull) and was never computed here",
+                        state.req_id,
+                    )
         for state in sampled:
             state.num_pending += 1
-        self._pending = PendingOutput(sampled, result)
+        self._pending = PendingOutput(sampled, result, prompt_logprobs)
         return self._pending
 
     def _token_bitmask(
@@ -263,6 +338,52 @@ class ModelRunner:
             if row is not None:
                 mask[i] = out.grammar_bitmask[row]
         return self._to_device(mask)
+
+    def _compute_prompt_logprobs(
+        self, state: CachedRequestState, hidden: torch.Tensor, offset: int
+    ) -> None:
+        """Logprobs of the prompt tokens this step's chunk predicts, kept on the device.
+
+        The hidden state at position j predicts the token at j + 1, so a chunk [start, end)
+        yields prompt positions start + 1 .. min(end, n - 1) (the last prompt position predicts
+        the first output token, which is the sampled logprobs' business).
+        """
+        start = state.num_computed_tokens
+        stop = min(start + self._num_scheduled(state), state.num_prompt_tokens - 1)
+        k = state.sampling_params.prompt_logprobs
+        assert k is not None
+        for lo in range(start, stop, _PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + _PROMPT_LOGPROBS_ROWS, stop)
+            logits = self.model.compute_logits(hidden[offset + lo - start : offset + hi - start])
+            targets = self._to_device(np.asarray(state.token_ids[lo + 1 : hi + 1], np.int64))
+            ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
+            state.prompt_logprobs.append((lo + 1, ids, lps, ranks))
+
+    def _num_scheduled(self, state: CachedRequestState) -> int:
+        return self._step_tokens[state.req_id]
+
+    def _init_processors(self, state: CachedRequestState) -> None:
+        """Turn a new request's logit_bias, allowed_token_ids and bad words into the forms the
+        sampler takes, once; ids past the logits' width (the edge checks them) are dropped."""
+        p = state.sampling_params
+        vocab = self.model_config.vocab_size
+        if p.logit_bias:
+            items = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+            state.logit_bias = (
+                np.asarray([t for t, _ in items], np.int64),
+                np.asarray([b for _, b in items], np.float32),
+            )
+        if p.allowed_token_ids is not None:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[[t for t in p.allowed_token_ids if t < vocab]] = True
+            state.allowed_mask = mask.to(self.device)
+        for word in p.bad_words_token_ids:
+            if word[-1] >= vocab:
+                continue
+            if len(word) == 1:
+                state.banned.append(word[0])
+            else:
+                state.bad_words.append(word)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array to device without blocking: a copy from pageable memory would first wait
@@ -290,9 +411,32 @@ class ModelRunner:
                 return None
             return self._to_device(np.asarray(values, dtype=dtype))
 
+        def rows_cols(pairs: list[tuple[int, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = np.concatenate([np.full(len(c), r, np.int64) for r, c in pairs])
+            return self._to_device(rows), self._to_device(np.concatenate([c for _, c in pairs]))
+
+        logit_bias = None
+        biased = [(r, s.logit_bias) for r, s in enumerate(states) if s.logit_bias is not None]
+        if biased:
+            rows, cols = rows_cols([(r, b[0]) for r, b in biased])
+            logit_bias = (rows, cols, self._to_device(np.concatenate([b[1] for _, b in biased])))
+        allowed = None
+        masks = {r: s.allowed_mask for r, s in enumerate(states) if s.allowed_mask is not None}
+        if masks:
+            restricted = self._to_device(np.asarray(list(masks), np.int64))
+            allowed = (restricted, torch.stack(list(masks.values())))
+        bad_words = None
+        blocked = [
+            (r, self._bad_word_block(s)) for r, s in enumerate(states) if s.banned or s.bad_words
+        ]
+        blocked = [(r, ids) for r, ids in blocked if len(ids)]
+        if blocked:
+            bad_words = rows_cols(blocked)
+
         return SamplingMetadata(
             temperature=self._to_device(np.asarray([p.temperature for p in params], np.float32)),
-            all_greedy=greedy and not penalties and not min_block,
+            # Processors run first either way; all-greedy rows then need only the argmax.
+            all_greedy=greedy,
             top_k=column([p.top_k for p in params], 0, np.int64),
             top_p=column([p.top_p for p in params], 1.0, np.float32),
             min_p=column([p.min_p for p in params], 0.0, np.float32),
@@ -307,4 +451,48 @@ class ModelRunner:
             min_tokens_block=min_block,
             max_num_logprobs=max_logprobs,
             generator=self.generator,
+            allowed_token_ids=allowed,
+            bad_words_block=bad_words,
+            logit_bias=logit_bias,
         )
+
+    @staticmethod
+    def _bad_word_block(state: CachedRequestState) -> np.ndarray:
+        """Token ids a request's bad words forbid now: each one-token word, and each longer
+        word's last token when the output so far ends with the word's other tokens (vLLM's
+        rule, vllm/v1/sample/ops/bad_words.py; only the output counts, not the prompt)."""
+        ids = list(state.banned)
+        output = state.output_token_ids
+        for word in state.bad_words:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+                ids.append(word[-1])
+        return np.asarray(ids, np.int64)
+
+
+def _covers_prompt(
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], num_prompt_tokens: int
+) -> bool:
+    """Whether the chunks hold exactly prompt positions 1 .. n-1, each once, in some order."""
+    expected = 1
+    for first, ids, _, _ in sorted(chunks, key=lambda c: c[0]):
+        if first != expected:
+            return False
+        expected += len(ids)
+    return expected == max(num_prompt_tokens, 1)
+
+
+def _truncate_chunks(
+    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], num_computed: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Keep the prompt logprobs of positions <= num_computed: those are not computed again.
+
+    Position p is predicted by the hidden state at p - 1, which a resumed request recomputes
+    only if p - 1 >= num_computed.
+    """
+    kept = []
+    for first, ids, lps, ranks in chunks:
+        n = min(len(ids), num_computed + 1 - first)
+        if n > 0:
+            kept.append((first, ids[:n], lps[:n], ranks[:n]))
+    return kept

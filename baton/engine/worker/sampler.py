@@ -1,4 +1,10 @@
-"""Turn one step's logits into next tokens: penalties, temperature, top-k/top-p/min-p, logprobs.
+"""Turn one step's logits into next tokens: the grammar mask, allowed tokens, bad words, logit bias,
+penalties, temperature, top-k/top-p/min-p, logprobs.
+
+The order is vLLM V1's (vllm/v1/sample/sampler.py and the runner's grammar bitmask before it): the
+grammar bitmask first, then the raw logprobs are taken, then allowed_token_ids, bad words,
+min_tokens and logit_bias, penalties, and only then temperature and the truncations. So logprobs
+see the grammar (a forbidden token is -inf) but not the other processors.
 
 One row per request sampled this step. Everything is vectorised over the batch; the only
 per-row Python work is drawing noise from a seeded request's own generator and flattening the
@@ -25,7 +31,8 @@ class SamplingMetadata:
 
     # [B] float32; rows below 1e-5 are greedy.
     temperature: torch.Tensor
-    # Every row greedy with no penalties and no min_tokens block: argmax is all there is to do.
+    # Every row greedy: after the logits processors (penalties, bias, bans), the argmax is all
+    # there is to do; with none of them and no logprobs, the argmax of the raw logits.
     all_greedy: bool
     # [B] int64; 0 or >= vocab disables it for that row. None when no row uses top-k.
     top_k: torch.Tensor | None
@@ -51,9 +58,29 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Shared generator for random rows without a seed; None means torch's default generator.
     generator: torch.Generator | None = None
-    # [B, ceil(V / 32)] int32, bit t of row i set = token t allowed (structured outputs); None
-    # when no row is constrained.
+    # [B, ceil(V/32)] int32, bit t of row i set = token t allowed (the grammar's mask); a row
+    # with no constraint is all ones. None when no row is constrained.
     token_bitmask: torch.Tensor | None = None
+    # Rows restricted to `allowed_token_ids`: ([R] int64 rows, [R, V] bool, True = allowed).
+    # None when no row restricts.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids) to forbid this step for bad words, already matched against each row's
+    # output by the runner ([N] int64 each); None when none applies this step.
+    bad_words_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) of every row's logit_bias ([N] int64, int64, float32); None when
+    # no row has one.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether anything besides the grammar changes the logits before sampling."""
+        return (
+            _needs_penalties(self)
+            or bool(self.min_tokens_block)
+            or self.allowed_token_ids is not None
+            or self.bad_words_block is not None
+            or self.logit_bias is not None
+        )
 
 
 @dataclass
@@ -76,23 +103,32 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of `logits` ([B, vocab]) as `metadata` asks."""
         _check_shapes(logits, metadata)
-        if metadata.token_bitmask is not None:
-            # First, as vLLM's runner masks the logits before its sampler sees them.
-            logits = apply_token_bitmask(logits, metadata.token_bitmask)
-        needs_penalties = _needs_penalties(metadata)
         k = metadata.max_num_logprobs
-        # all_greedy promises no penalties or blocks, but checking costs nothing and stays correct.
-        if metadata.all_greedy and k is None and not (needs_penalties or metadata.min_tokens_block):
+        if metadata.token_bitmask is not None:
+            # Out of place: the caller's logits stay untouched, and this is the float32 copy.
+            logits = apply_token_bitmask(logits.to(torch.float32), metadata.token_bitmask)
+        # all_greedy promises no processors, but checking costs nothing and stays correct.
+        if metadata.all_greedy and k is None and not metadata.has_processors:
             return SamplerOutput(logits.argmax(dim=-1), None, None, None)
 
         # One float32 copy we may modify in place, whatever dtype the model produced.
-        logits = logits.to(torch.float32, copy=True)  # [B, V]
+        if metadata.token_bitmask is None:
+            logits = logits.to(torch.float32, copy=True)  # [B, V]
         # Logprobs describe the model, not the sampling parameters, so they come from raw logits.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if k is not None else None
 
+        if metadata.allowed_token_ids is not None:
+            rows, allowed = metadata.allowed_token_ids
+            logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+        if metadata.bad_words_block is not None:
+            rows, cols = metadata.bad_words_block
+            logits[rows, cols] = float("-inf")
         if metadata.min_tokens_block:
             apply_min_tokens_block(logits, metadata.min_tokens_block)
-        if needs_penalties:
+        if metadata.logit_bias is not None:
+            rows, cols, bias = metadata.logit_bias
+            logits.index_put_((rows, cols), bias, accumulate=True)
+        if _needs_penalties(metadata):
             apply_penalties(logits, metadata)
 
         greedy_tokens = logits.argmax(dim=-1)  # [B]
@@ -119,14 +155,21 @@ class Sampler:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of `logits` with every token whose bit is clear set to -inf."""
-    vocab = logits.shape[-1]
+    """Return `logits` with every token whose bit is clear set to -inf (a new tensor).
+
+    Bit t of a row lives at word t // 32, bit t % 32 (llguidance's and xgrammar's layout).
+    """
+    batch_size, vocab_size = logits.shape
+    words = bitmask.to(device=logits.device, dtype=torch.int32)
+    if words.shape != (batch_size, (vocab_size + 31) // 32):
+        raise ValueError(
+            f"token_bitmask must have shape ({batch_size}, {(vocab_size + 31) // 32}) for logits "
+            f"of shape {tuple(logits.shape)}, got {tuple(words.shape)}"
+        )
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    bits = (bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
-    allowed = bits.flatten(1)[:, :vocab].bool()
-    if allowed.shape[1] < vocab:  # a mask narrower than the logits forbids the rest
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-    return logits.masked_fill(~allowed, float("-inf"))
+    # A sign bit's arithmetic shift fills with ones, but `& 1` keeps only the bit asked for.
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(batch_size, -1)
+    return torch.where(allowed[:, :vocab_size], logits, float("-inf"))
 
 
 def apply_min_tokens_block(logits: torch.Tensor, block: dict[int, list[int]]) -> torch.Tensor:
@@ -267,6 +310,13 @@ def _check_shapes(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
             f"temperature must have shape ({batch_size},) to match the logits, "
             f"got {tuple(metadata.temperature.shape)}"
         )
+    if metadata.allowed_token_ids is not None:
+        rows, allowed = metadata.allowed_token_ids
+        if allowed.shape != (rows.shape[0], logits.shape[1]):
+            raise ValueError(
+                f"allowed_token_ids mask must have shape ({rows.shape[0]}, {logits.shape[1]}), "
+                f"got {tuple(allowed.shape)}"
+            )
     if _needs_penalties(metadata) and len(metadata.output_token_ids) != batch_size:
         raise ValueError(
             f"output_token_ids has {len(metadata.output_token_ids)} rows, logits have {batch_size}"

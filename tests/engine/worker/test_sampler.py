@@ -421,3 +421,123 @@ def test_rejects_mismatched_inputs() -> None:
         Sampler()(logits, make_metadata(3, max_num_logprobs=11))
     with pytest.raises(ValueError, match="output_token_ids"):
         Sampler()(logits, make_metadata(3, presence_penalty=torch.ones(3), output_token_ids=[]))
+
+
+# ---- the grammar bitmask, allowed_token_ids, bad words, logit_bias (vLLM V1's order) ---------
+
+
+def _bitmask(allowed_rows: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """[B, ceil(V/32)] int32 with bit t of row i set for each t in allowed_rows[i]."""
+    words = (vocab_size + 31) // 32
+    mask = torch.zeros(len(allowed_rows), words * 32, dtype=torch.bool)
+    for i, allowed in enumerate(allowed_rows):
+        mask[i, allowed] = True
+    bits = mask.view(len(allowed_rows), words, 32).to(torch.int64)
+    packed = (bits << torch.arange(32)).sum(-1)  # unsigned 32-bit words
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+@pytest.mark.parametrize("all_greedy", [True, False])
+def test_token_bitmask_restricts_every_path(all_greedy: bool) -> None:
+    """Greedy (fast path included) and random rows only ever pick a token whose bit is set,
+    including token 31 (the sign bit of a word) and the last, partial word."""
+    vocab, batch = 70, 64
+    logits = clear_winner_logits(batch, vocab, seed=5)
+    allowed = [[31, 69], [0], [33, 40, 63], [64]] * (batch // 4)
+    temperature = torch.zeros(batch) if all_greedy else torch.ones(batch)
+    out = Sampler()(
+        logits,
+        make_metadata(
+            batch,
+            temperature=temperature,
+            all_greedy=all_greedy,
+            token_bitmask=_bitmask(allowed, vocab),
+        ),
+    )
+    for row, token in enumerate(out.sampled_token_ids.tolist()):
+        assert token in allowed[row]
+    if all_greedy:
+        for row, token in enumerate(out.sampled_token_ids.tolist()):
+            assert token == max(allowed[row], key=lambda t: float(logits[row, t]))
+
+
+def test_token_bitmask_all_ones_changes_nothing_and_logprobs_see_it() -> None:
+    """An all-ones row samples as without a mask; a masked token's logprob is -inf, since vLLM
+    applies the bitmask before the sampler takes its raw logprobs."""
+    vocab = 50
+    logits = clear_winner_logits(2, vocab, seed=6)
+    mask = _bitmask([list(range(vocab)), [7, 9]], vocab)
+    meta = make_metadata(2, temperature=torch.zeros(2), token_bitmask=mask, max_num_logprobs=2)
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids[0] == logits[0].argmax()
+    assert out.logprobs is not None and out.logprob_token_ids is not None
+    assert set(out.logprob_token_ids[1].tolist()) <= {7, 9}
+    masked = torch.log_softmax(logits[1].masked_fill(~_allowed_row([7, 9], vocab), -1e30), -1)
+    assert out.logprobs[1, 0] == pytest.approx(float(masked[out.sampled_token_ids[1]]), abs=1e-5)
+
+
+def _allowed_row(ids: list[int], vocab: int) -> torch.Tensor:
+    row = torch.zeros(vocab, dtype=torch.bool)
+    row[ids] = True
+    return row
+
+
+def test_logit_bias_plus_100_forces_and_minus_100_bans() -> None:
+    """+100 makes a token the greedy pick; -100 on the argmax moves the pick to the runner-up."""
+    vocab = 40
+    logits = clear_winner_logits(3, vocab, seed=7)
+    best = logits.argmax(-1)
+    second = logits.topk(2, -1).indices[:, 1]
+    bias = (torch.tensor([0, 1]), torch.tensor([5, int(best[1])]), torch.tensor([100.0, -100.0]))
+    out = Sampler()(logits, make_metadata(3, temperature=torch.zeros(3), logit_bias=bias))
+    assert out.sampled_token_ids.tolist() == [5, int(second[1]), int(best[2])]
+
+
+def test_logit_bias_comes_before_penalties_and_not_in_logprobs() -> None:
+    """vLLM: logit_bias is added before penalties (a repetition penalty divides the biased
+    logit), and logprobs are of the raw logits."""
+    logits = torch.tensor([[1.0, 2.0, 0.5]])
+    bias = (torch.tensor([0]), torch.tensor([0]), torch.tensor([3.0]))  # token 0: 4.0
+    meta = make_metadata(
+        1,
+        temperature=torch.zeros(1),
+        logit_bias=bias,
+        repetition_penalty=torch.tensor([2.5]),  # 4.0 / 2.5 = 1.6 < 2.0: token 1 wins
+        output_token_ids=[[0]],
+        prompt_token_ids=[[]],
+        max_num_logprobs=0,
+    )
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids.tolist() == [1]
+    assert out.logprobs is not None
+    assert float(out.logprobs[0, 0]) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
+
+
+def test_allowed_token_ids_restrict_sampling() -> None:
+    """Rows with allowed_token_ids only sample from that set, others are untouched."""
+    vocab, batch = 64, 32
+    logits = clear_winner_logits(batch, vocab, seed=8)
+    rows = torch.arange(0, batch, 2)
+    allowed = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    allowed[:, [3, 17, 42]] = True
+    out = Sampler()(logits, make_metadata(batch, allowed_token_ids=(rows, allowed)))
+    for row, token in enumerate(out.sampled_token_ids.tolist()):
+        if row % 2 == 0:
+            assert token in {3, 17, 42}
+    greedy = Sampler()(
+        logits,
+        make_metadata(batch, temperature=torch.zeros(batch), allowed_token_ids=(rows, allowed)),
+    )
+    expect = logits.argmax(-1)
+    expect[rows] = torch.tensor([3, 17, 42])[logits[rows][:, [3, 17, 42]].argmax(-1)]
+    assert greedy.sampled_token_ids.tolist() == expect.tolist()
+
+
+def test_bad_words_block_is_minus_inf() -> None:
+    """The runner's (row, token) bad-word pairs are never sampled."""
+    vocab = 20
+    logits = clear_winner_logits(2, vocab, seed=9)
+    best = logits.argmax(-1)
+    block = (torch.tensor([0, 1]), best.clone())
+    out = Sampler()(logits, make_metadata(2, temperature=torch.zeros(2), bad_words_block=block))
+    assert (out.sampled_token_ids != best).all()
