@@ -180,6 +180,14 @@ def sse(event: CompletionChunk | ChatCompletionChunk) -> str:
 
 DecodeToken = Callable[[int], str]
 
+# JSON has no -inf (and the JSON response refuses it: a 500): a token a mask or the model rules
+# out (allowed_token_ids, a grammar, a prompt token) gets vLLM's stand-in.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
 
 def _token_str(token: int, entry: dict[int, Logprob], decode: DecodeToken) -> str:
     lp = entry.get(token)
@@ -218,10 +226,12 @@ def completion_logprobs(
         else:
             text = _token_str(token, entry, decode)
             sampled = entry.get(token)
-            token_logprobs.append(sampled.logprob if sampled else None)
-            top = {_token_str(t, entry, decode): lp.logprob for t, lp in _top(entry, num_top)}
+            token_logprobs.append(_finite(sampled.logprob) if sampled else None)
+            top = {
+                _token_str(t, entry, decode): _finite(lp.logprob) for t, lp in _top(entry, num_top)
+            }
             if sampled is not None:
-                top.setdefault(text, sampled.logprob)
+                top.setdefault(text, _finite(sampled.logprob))
             top_logprobs.append(top)
         tokens.append(text)
         offsets.append(text_offset)
@@ -230,10 +240,6 @@ def completion_logprobs(
         text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top_logprobs
     )
     return result, text_offset
-
-
-# JSON has no -inf: a prompt token the model rules out gets vLLM's stand-in.
-_MIN_LOGPROB = -9999.0
 
 
 def prompt_logprobs_of(out: RequestOutput, decode: DecodeToken) -> PromptLogprobs | None:
@@ -249,7 +255,7 @@ def prompt_logprobs_of(out: RequestOutput, decode: DecodeToken) -> PromptLogprob
         shown.append(
             {
                 t: PromptLogprob(
-                    logprob=max(lp.logprob, _MIN_LOGPROB),
+                    logprob=_finite(lp.logprob),
                     rank=lp.rank,
                     decoded_token=lp.decoded_token if lp.decoded_token is not None else decode(t),
                 )
@@ -280,13 +286,13 @@ def chat_logprobs(
         text = _token_str(token, entry, decode)
         sampled = entry.get(token)
         top = [
-            TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
+            TopLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode()))
             for s, lp in ((_token_str(t, entry, decode), lp) for t, lp in _top(entry, num_top))
         ]
         content.append(
             ChatLogprobEntry(
                 token=text,
-                logprob=sampled.logprob if sampled else float("-inf"),
+                logprob=_finite(sampled.logprob) if sampled else _MIN_LOGPROB,
                 bytes=list(text.encode()),
                 top_logprobs=top,
             )
@@ -438,6 +444,7 @@ def chat_response(
     model: str,
     out: RequestOutput,
     decode: DecodeToken,
+    *,
     prompt_tokens_details: bool = True,
 ) -> ChatCompletionResponse:
     choices = []

@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -111,8 +112,9 @@ class EngineServer:
         self, req: p.CompletionRequest | p.ChatCompletionRequest, params: list[SamplingParams]
     ) -> None:
         """What needs the model: bad words as token ids, token ids within the vocabulary, and
-        the structured-output constraint compiled once (off the loop: a large schema takes a
-        while), each a 400 naming its field. The same for every prompt of a batch."""
+        the structured-output constraint the params carry (the request's own, or the chat
+        path's forced tool call) checked by the grammar compiler once, off the loop (a large
+        schema takes a while); each a 400 naming its field. The same for every prompt."""
         bad_words = []
         if req.bad_words:
             bad_words = constraints.bad_words_token_ids(
@@ -122,9 +124,12 @@ class EngineServer:
             sp.bad_words_token_ids = [list(w) for w in bad_words]
         if params:
             constraints.check_token_ids(params[0], self.llm.vocab_size)
-        constraint, field = req.structured_outputs_params(), req.constraint_field()
-        if constraint is None or field is None:
+        constraint = params[0].structured_outputs if params else None
+        if constraint is None:
             return
+        own = req.structured_outputs_params()
+        ours = own is not None and replace(constraint, after_token_ids=None) == own
+        field = (req.constraint_field() if ours else None) or "tools"  # else a forced tool's
         validator = self.validator
         await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, constraints.validate_constraint, validator, constraint, field
@@ -392,7 +397,7 @@ class EngineServer:
                     self.model_name,
                     outs[0],
                     self.decode_token,
-                    self.prompt_tokens_details,
+                    prompt_tokens_details=self.prompt_tokens_details,
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
