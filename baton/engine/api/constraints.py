@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,7 +89,21 @@ def validate_constraint(
     try:
         validator.validate(params)
     except ValueError as e:
-        raise APIError(400, f"{param}: {e}", param) from None
+        raise APIError(400, _named(str(e), param), param) from None
+
+
+# The compiler names the params' field (`structured_outputs.json: ...`); the client wrote another.
+_KIND_PREFIX = re.compile(
+    r"^structured_outputs\.(json_object|json|regex|choice|grammar|structural_tag)"
+)
+
+
+def _named(message: str, param: str) -> str:
+    if param == "structured_outputs":
+        return message
+    if _KIND_PREFIX.match(message):
+        return _KIND_PREFIX.sub(param, message, count=1)
+    return f"{param}: {message}"
 
 
 def make_validator(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:

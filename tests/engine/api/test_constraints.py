@@ -384,3 +384,32 @@ def test_echo_without_generation_over_the_route() -> None:
     events = _events(_call(app, "POST", "/v1/completions", json={**body, "stream": True}))
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == "abc"
     assert SCRIPT[0] not in "abc"  # the discarded token would have shown
+
+
+def test_the_grammar_compilers_errors_name_the_request_field(tiny_model: Any) -> None:
+    """With the real compiler (llguidance over the tiny model's tokenizer): each problem is a
+    400 naming the field the client wrote, not the engine's name for it."""
+    backend = pytest.importorskip("baton.engine.structured.backend")
+    from baton.engine.tokenizer import load_tokenizer
+
+    folder = tiny_model("llama")
+    eos = constraints.eos_token_ids(folder)
+    assert eos  # the tiny model's config names its end token
+    compiler = backend.GrammarCompiler(load_tokenizer(folder), 512, eos)
+    bad = {"type": "object", "properties": {"x": {"type": "bogus"}}}
+    cases = [
+        ({"guided_json": bad}, "guided_json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": bad}}},
+         "response_format"),
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs"),
+    ]  # fmt: skip
+    for fields, param in cases:
+        req = _completion(**fields)
+        constraint = req.structured_outputs_params()
+        assert constraint is not None
+        with pytest.raises(APIError) as e:
+            constraints.validate_constraint(compiler, constraint, param)
+        assert e.value.param == param and e.value.message.startswith(param), e.value.message
+        assert "structured_outputs." not in e.value.message or param == "structured_outputs"
+    constraints.validate_constraint(compiler, StructuredOutputsParams(json=json.dumps(SCHEMA)), "x")
