@@ -1,15 +1,21 @@
 """The prefill→decode hand-off of a disaggregated model, and when to skip it.
 
 Step 1 sends the request to a prefill engine with `max_tokens=1`, `stream: false` and
-`kv_transfer_params={"do_remote_decode": true}`; its answer carries the `kv_transfer_params`
-that say where the prompt's KV blocks wait (engine id, host, port, request id, block ids,
-lease). Step 2 sends the original request to a decode engine with those params plus
-`"do_remote_prefill": true`, and the decode engine's answer (streamed or whole) goes to the
-client.
+`kv_transfer_params={"do_remote_decode": true}`, less the fields that only constrain sampling
+(`CONSTRAINT_FIELDS`: the decode engine samples every token the client sees, and the prefill's
+one token is discarded, so a grammar compiled there would be work thrown away) but with every
+field that shapes the prompt (messages, tools, chat_template_kwargs); its answer carries the
+`kv_transfer_params` that say where the prompt's KV blocks wait (engine id, host, port,
+request id, block ids, lease). Step 2 sends the original request to a decode engine with
+those params plus `"do_remote_prefill": true`, and the decode engine's answer (streamed or
+whole) goes to the client.
 
 The decode engine is chosen first, because whether to do step 1 at all depends on it:
 - a batch of prompts is served by the decode engine alone (one set of params cannot describe
   several prompts): `decode_only_fallback`;
+- so is a request that wants its prompt's logprobs (`prompt_logprobs`, or `echo` with
+  `logprobs` on completions): only the engine that computes the prompt sees its logits, and a
+  decode engine that reads the KV never does: `decode_only_fallback`;
 - a prompt estimated under `disagg_min_tokens` skips step 1: `skipped_short`;
 - a prompt whose blocks the decode engine mostly holds already skips step 1: `skipped_cached`;
 - no prefill engine available, none that can hand KV to the decode engine (unequal
@@ -42,9 +48,37 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# What only constrains the sampled tokens (structured outputs and logits masks): dropped from
+# step 1. `tool_choice` stays: with `none` a template may leave the tools out of the prompt.
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structural_tag",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+
+
+def wants_prompt_logprobs(route: str, body: dict[str, Any]) -> bool:
+    """The request asks for its prompt's logprobs, which only the engine that computes the
+    prompt has (vLLM's `prompt_logprobs`, which completions' `echo` with `logprobs` implies)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    return (
+        route == "/v1/completions" and bool(body.get("echo")) and body.get("logprobs") is not None
+    )
+
+
 def prefill_body(route: str, body: dict[str, Any]) -> dict[str, Any]:
     """Step 1's request: the original, computing the prompt and one token, kept for a reader."""
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in CONSTRAINT_FIELDS}
     out.update(max_tokens=1, stream=False, n=1, kv_transfer_params={DO_REMOTE_DECODE: True})
     if route == "/v1/chat/completions":
         out["max_completion_tokens"] = 1
@@ -80,6 +114,8 @@ class Handoff:
         prompt = routed.prompt
         if prompt.num_prompts > 1:
             return await self._decode(routed, decode, "decode_only_fallback", "a batch of prompts")
+        if wants_prompt_logprobs(routed.route, routed.body):
+            return await self._decode(routed, decode, "decode_only_fallback", "prompt logprobs")
         if prompt.estimated_tokens(config.chars_per_token) < config.disagg_min_tokens:
             return await self._decode(routed, decode, "skipped_short", "short prompt")
         if self._cached_fraction(routed, decode) >= config.disagg_cached_fraction:

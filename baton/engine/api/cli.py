@@ -77,6 +77,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="render a chat_template sent in a request (off: such requests are a 400; a "
         "template is code the server runs, so only for clients you trust)",
     )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=s.enable_prompt_tokens_details,
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held",
+    )
     k = KVTransferConfig
     parser.add_argument(
         "--role",

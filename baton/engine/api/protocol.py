@@ -8,12 +8,13 @@ response side is in `responses`.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.errors import APIError
 
 # ---- errors --------------------------------------------------------------------------------
@@ -47,6 +48,59 @@ class OpenAIBaseModel(BaseModel):
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (with include_usage only)
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """`response_format.json_schema`: OpenAI's `schema` is a pydantic name, hence the alias."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`, with vLLM's `structural_tag` type (whose own fields,
+    `structures` and `triggers` or `format`, are kept as they came)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object: one constraint kind, and its options (those this
+    engine has no use for are accepted and ignored, as vLLM's other backends ignore them)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# vLLM's backends; a request may name one (deprecated in vLLM, which then ignores it), but a name
+# no backend has is a mistake the client should hear of.
+GUIDED_DECODING_BACKENDS = (
+    "auto",
+    "guidance",
+    "llguidance",
+    "xgrammar",
+    "outlines",
+    "lm-format-enforcer",
+)
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -70,6 +124,7 @@ class _GenerationRequest(OpenAIBaseModel):
     frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extras
     top_k: Int64 | None = None
     min_p: float | None = None
@@ -82,25 +137,120 @@ class _GenerationRequest(OpenAIBaseModel):
     request_id: str | None = None
     return_token_ids: bool = False
     kv_transfer_params: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[Int64] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's older names for structured outputs (deprecated there, still sent by clients)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options can only be set when stream is true", "stream_options"
             )
+        if self.prompt_logprobs is not None and self.stream and self.prompt_logprobs != 0:
+            # vLLM's rule: the prompt's logprobs come whole, not as deltas
+            raise APIError(
+                400, "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
+        backend = self.guided_decoding_backend
+        if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
+            raise APIError(
+                400,
+                f"guided_decoding_backend {backend!r} is not one of "
+                f"{', '.join(GUIDED_DECODING_BACKENDS)} (and is ignored: this engine uses "
+                "llguidance)",
+                "guided_decoding_backend",
+            )
+        self.structured_outputs_params()  # a malformed constraint is a 400 before any work
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM's `continuous_usage_stats`, which needs `include_usage`."""
+        return self.include_usage() and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one constraint on its output, from `response_format`,
+        `structured_outputs` or the older `guided_*` fields; None when it has none. Two
+        constraints, from one field or several, are a 400 naming them: there is no order in
+        which both could hold."""
+        found = self._constraint()
+        return found[0] if found is not None else None
+
+    def constraint_field(self) -> str | None:
+        """The request field the constraint came from (what a 400 about it names)."""
+        found = self._constraint()
+        return found[1] if found is not None else None
+
+    def _constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        found: list[tuple[str, dict[str, Any]]] = []
+        whitespace = self.guided_whitespace_pattern
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            found.append(("response_format", _from_response_format(rf)))
+        so = self.structured_outputs
+        if so is not None:
+            whitespace = so.whitespace_pattern or whitespace
+            kinds = {
+                "json": so.json_,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+                "json_object": True if so.json_object else None,
+                "structural_tag": so.structural_tag,
+            }
+            found += [("structured_outputs", {k: v}) for k, v in kinds.items() if v is not None]
+        legacy = {
+            "guided_json": ("json", self.guided_json),
+            "guided_regex": ("regex", self.guided_regex),
+            "guided_choice": ("choice", self.guided_choice),
+            "guided_grammar": ("grammar", self.guided_grammar),
+            "structural_tag": ("structural_tag", self.structural_tag),
+        }
+        found += [(name, {k: v}) for name, (k, v) in legacy.items() if v is not None]
+        if not found:
+            return None
+        if len(found) > 1:
+            names = ", ".join(f"{name}.{next(iter(kind))}" if name == "structured_outputs"
+                              else name for name, kind in found)  # fmt: skip
+            raise APIError(
+                400,
+                f"only one structured output constraint may be set; this request sets {names}",
+                found[1][0],
+            )
+        param, kind = found[0]
+        if "json" in kind:
+            kind["json"] = _schema_text(kind["json"], param, whitespace)
+        try:
+            return StructuredOutputsParams(**kind), param
+        except ValueError as e:
+            raise APIError(400, str(e), param) from None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """vLLM's defaults for what the request leaves out; range errors become 400s."""
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """vLLM's defaults for what the request leaves out; range errors become 400s.
+
+        Bad words stay unset (their ids need the tokenizer: `constraints.bad_words_token_ids`)
+        and no token id is checked against the vocabulary here (`constraints.check_token_ids`).
+        """
         defaults: dict[str, float] = {
             "temperature": 1.0,
             "top_p": 1.0,
@@ -113,6 +263,7 @@ class _GenerationRequest(OpenAIBaseModel):
         values = {
             k: d if getattr(self, k) is None else getattr(self, k) for k, d in defaults.items()
         }
+        constraint = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n,
@@ -124,10 +275,69 @@ class _GenerationRequest(OpenAIBaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                prompt_logprobs=prompt_logprobs,
+                logit_bias=_logit_bias(self.logit_bias),
+                allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=constraint,
                 **values,  # type: ignore[arg-type]
             )
         except ValueError as e:
             raise APIError.from_value_error(e) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's map of token ids (as strings) to biases, as ints; each bias clamped to
+    [-100, 100], as vLLM's `SamplingParams.from_optional` clamps it."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if token < 0 or str(token) != key.strip():
+            raise APIError(
+                400,
+                f"logit_bias key {key!r} is not a token id (a non-negative integer, as a string)",
+                "logit_bias",
+            )
+        out[token] = min(100.0, max(-100.0, float(value)))
+    return out
+
+
+def _from_response_format(rf: ResponseFormat) -> dict[str, Any]:
+    """The constraint kind a non-text `response_format` asks for (vLLM's mapping)."""
+    if rf.type == "json_object":
+        return {"json_object": True}
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise APIError(
+                400,
+                "response_format of type json_schema needs json_schema.schema",
+                "response_format",
+            )
+        return {"json": rf.json_schema.json_schema}
+    # structural_tag: the whole object, as vLLM passes it on
+    return {"structural_tag": json.dumps(rf.model_dump(by_alias=True, exclude_none=True))}
+
+
+def _schema_text(schema: str | dict[str, Any], param: str, whitespace: str | None) -> str:
+    """A JSON schema as the JSON text `StructuredOutputsParams.json` holds. A whitespace
+    pattern (vLLM's `whitespace_pattern`) goes in as llguidance's `x-guidance` option."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise APIError(400, f"{param}: the schema is not valid JSON: {e}", param) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{param}: a JSON schema must be an object", param)
+    if whitespace is not None:
+        options = schema.get("x-guidance")
+        schema = {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}),
+                                           "whitespace_pattern": whitespace}}  # fmt: skip
+    return json.dumps(schema)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -162,8 +372,19 @@ class CompletionRequest(_GenerationRequest):
             raise APIError(400, "prompt must not be empty", "prompt")
         return batch
 
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens=0`: the prompt (and its logprobs) is the whole answer."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs)
+        # vLLM's: echo asks for the prompt's logprobs as `logprobs` asks for the output's, and
+        # echo without generation still runs one step (its token is discarded), since the
+        # prompt's logprobs come from the step that computes it.
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = 1 if self.echo_only() else max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 class ContentPart(OpenAIBaseModel):
@@ -202,7 +423,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
@@ -210,10 +430,6 @@ class ChatCompletionRequest(_GenerationRequest):
         self._check_common()
         if self.tools:
             raise APIError(400, "tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(
-                400, "response_format other than text is not supported", "response_format"
-            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -227,7 +443,7 @@ class ChatCompletionRequest(_GenerationRequest):
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling_params(max_tokens, logprobs)
+            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
         except APIError as e:
             if e.param == "logprobs":
                 e.param = "top_logprobs"

@@ -19,10 +19,27 @@ from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
 # ---- responses -----------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(BaseModel):
+    """One token's logprob in vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token, None for the first (nothing predicts it).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionLogProbs(BaseModel):
@@ -38,6 +55,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
 
@@ -91,6 +109,7 @@ class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
@@ -161,6 +180,14 @@ def sse(event: CompletionChunk | ChatCompletionChunk) -> str:
 
 DecodeToken = Callable[[int], str]
 
+# JSON has no -inf (and the JSON response refuses it: a 500): a token a mask or the model rules
+# out (allowed_token_ids, a grammar, a prompt token) gets vLLM's stand-in.
+_MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, _MIN_LOGPROB)
+
 
 def _token_str(token: int, entry: dict[int, Logprob], decode: DecodeToken) -> str:
     lp = entry.get(token)
@@ -199,10 +226,12 @@ def completion_logprobs(
         else:
             text = _token_str(token, entry, decode)
             sampled = entry.get(token)
-            token_logprobs.append(sampled.logprob if sampled else None)
-            top = {_token_str(t, entry, decode): lp.logprob for t, lp in _top(entry, num_top)}
+            token_logprobs.append(_finite(sampled.logprob) if sampled else None)
+            top = {
+                _token_str(t, entry, decode): _finite(lp.logprob) for t, lp in _top(entry, num_top)
+            }
             if sampled is not None:
-                top.setdefault(text, sampled.logprob)
+                top.setdefault(text, _finite(sampled.logprob))
             top_logprobs.append(top)
         tokens.append(text)
         offsets.append(text_offset)
@@ -211,6 +240,38 @@ def completion_logprobs(
         text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens, top_logprobs=top_logprobs
     )
     return result, text_offset
+
+
+def prompt_logprobs_of(out: RequestOutput, decode: DecodeToken) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs`: per prompt token its own and the top tokens' logprobs, ranks
+    and text; None unless the request asked for them."""
+    if out.prompt_logprobs is None:
+        return None
+    shown: PromptLogprobs = []
+    for entry in out.prompt_logprobs:
+        if entry is None:
+            shown.append(None)
+            continue
+        shown.append(
+            {
+                t: PromptLogprob(
+                    logprob=_finite(lp.logprob),
+                    rank=lp.rank,
+                    decoded_token=lp.decoded_token if lp.decoded_token is not None else decode(t),
+                )
+                for t, lp in entry.items()
+            }
+        )
+    return shown
+
+
+def prompt_entries(out: RequestOutput) -> list[dict[int, Logprob] | None]:
+    """The echoed prompt's logprob entries, one per prompt token (None where there are none:
+    the first token, or every token when the engine computed none)."""
+    n = len(out.prompt_token_ids)
+    if out.prompt_logprobs is None or len(out.prompt_logprobs) != n:
+        return [None] * n
+    return list(out.prompt_logprobs)
 
 
 def chat_logprobs(
@@ -225,13 +286,13 @@ def chat_logprobs(
         text = _token_str(token, entry, decode)
         sampled = entry.get(token)
         top = [
-            TopLogprob(token=s, logprob=lp.logprob, bytes=list(s.encode()))
+            TopLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode()))
             for s, lp in ((_token_str(t, entry, decode), lp) for t, lp in _top(entry, num_top))
         ]
         content.append(
             ChatLogprobEntry(
                 token=text,
-                logprob=sampled.logprob if sampled else float("-inf"),
+                logprob=_finite(sampled.logprob) if sampled else _MIN_LOGPROB,
                 bytes=list(text.encode()),
                 top_logprobs=top,
             )
@@ -294,11 +355,28 @@ def stop_holdback(stop: Sequence[str]) -> int:
 # ---- whole responses -----------------------------------------------------------------------
 
 
-def usage_of(outputs: Sequence[RequestOutput]) -> UsageInfo:
+def usage_of(outputs: Sequence[RequestOutput], prompt_tokens_details: bool = True) -> UsageInfo:
+    """The usage of every prompt; `prompt_tokens_details` (vLLM's
+    --enable-prompt-tokens-details) adds how many prompt tokens the prefix cache held."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    details = None
+    if prompt_tokens_details:
+        details = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
     return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=details,
+    )
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """A chunk's usage under `continuous_usage_stats`: its prompt and its sample so far."""
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
     )
 
 
@@ -309,15 +387,22 @@ def completion_response(
     model: str,
     outputs: Sequence[RequestOutput],
     decode: DecodeToken,
+    prompt_tokens_details: bool = True,
 ) -> CompletionResponse:
-    """The non-streaming answer to a batch of prompts; choice i*n + j is sample j of prompt i."""
+    """The non-streaming answer to a batch of prompts; choice i*n + j is sample j of prompt i.
+
+    With `echo` the prompt leads the text (and its logprobs the logprobs); with `echo` and
+    `max_tokens=0` the prompt is the whole answer, as vLLM's serving_completion shapes it.
+    """
     choices = []
+    echo_only = request.echo_only()
     for i, out in enumerate(outputs):
         prefix = ""
         if request.echo:
             prefix = (
                 out.prompt if out.prompt is not None else _decode_all(out.prompt_token_ids, decode)
             )
+        shown_prompt_logprobs = prompt_logprobs_of(out, decode)
         for sample in out.outputs:
             logprobs = None
             if request.logprobs is not None:
@@ -325,17 +410,19 @@ def completion_response(
                 entries: list[dict[int, Logprob] | None] = []
                 if request.echo:
                     ids += out.prompt_token_ids
-                    entries += [None] * len(out.prompt_token_ids)
-                ids += sample.token_ids
-                entries += list(sample.logprobs or [])
+                    entries += prompt_entries(out)
+                if not echo_only:
+                    ids += sample.token_ids
+                    entries += list(sample.logprobs or [])
                 logprobs, _ = completion_logprobs(ids, entries, request.logprobs, 0, decode)
             choices.append(
                 CompletionChoice(
                     index=i * request.n + sample.index,
-                    text=prefix + sample.text,
+                    text=prefix if echo_only else prefix + sample.text,
                     logprobs=logprobs,
                     finish_reason=sample.finish_reason,
                     stop_reason=sample.stop_reason,
+                    prompt_logprobs=shown_prompt_logprobs,
                     prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
                     token_ids=list(sample.token_ids) if request.return_token_ids else None,
                 )
@@ -345,7 +432,7 @@ def completion_response(
         created=created,
         model=model,
         choices=choices,
-        usage=usage_of(outputs),
+        usage=usage_of(outputs, prompt_tokens_details),
         kv_transfer_params=outputs[0].kv_transfer_params if len(outputs) == 1 else None,
     )
 
@@ -357,6 +444,8 @@ def chat_response(
     model: str,
     out: RequestOutput,
     decode: DecodeToken,
+    *,
+    prompt_tokens_details: bool = True,
 ) -> ChatCompletionResponse:
     choices = []
     for sample in out.outputs:
@@ -380,7 +469,8 @@ def chat_response(
         created=created,
         model=model,
         choices=choices,
-        usage=usage_of([out]),
+        usage=usage_of([out], prompt_tokens_details),
+        prompt_logprobs=prompt_logprobs_of(out, decode),
         prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
         kv_transfer_params=out.kv_transfer_params,
     )

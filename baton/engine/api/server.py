@@ -56,6 +56,9 @@ class ServerConfig(ListenConfig):
     max_body_bytes: int = 10 << 20  # 413 past this
     engine_label: str = "0"  # the `engine` label of every metric
     trust_request_chat_template: bool = False  # render a request's own chat_template (vLLM's)
+    # usage.prompt_tokens_details.cached_tokens (vLLM's flag, off by default there; on here, as
+    # OpenAI always sends it)
+    enable_prompt_tokens_details: bool = True
     access_log: bool = True
     uvicorn_log_level: str = "info"
 
@@ -122,6 +125,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         max_waiting_requests=config.max_waiting_requests,
         engine_label=config.engine_label,
         trust_request_chat_template=config.trust_request_chat_template,
+        prompt_tokens_details=config.enable_prompt_tokens_details,
     )
     app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
     app.state.server = server

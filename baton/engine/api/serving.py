@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from pydantic import BaseModel
 
+from baton.engine.api import constraints
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
 from baton.engine.api.metrics import EngineMetrics
@@ -59,8 +61,12 @@ class EngineServer:
         max_waiting_requests: int | None,  # 429 once the engine has this many waiting
         engine_label: str,  # the `engine` label of every metric
         trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
+        prompt_tokens_details: bool = True,  # usage says how many prompt tokens were cached
+        validator: constraints.ConstraintValidator | None = None,  # None: the grammar compiler
     ) -> None:
         self.llm = llm
+        self.prompt_tokens_details = prompt_tokens_details
+        self._validator = validator
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = llm.tokenizer
         self.trust_request_chat_template = trust_request_chat_template
@@ -90,6 +96,44 @@ class EngineServer:
 
     def decode_token(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+    # -- the request's constraints --
+
+    @property
+    def validator(self) -> constraints.ConstraintValidator | None:
+        """The grammar compiler, made on first use: it indexes the whole vocabulary, which a
+        server that never sees a constraint need not pay for at start."""
+        if self._validator is None:
+            eos = constraints.eos_token_ids(self.llm.model_path)
+            self._validator = constraints.make_validator(self.tokenizer, self.llm.vocab_size, eos)
+        return self._validator
+
+    async def _finish_params(
+        self, req: p.CompletionRequest | p.ChatCompletionRequest, params: list[SamplingParams]
+    ) -> None:
+        """What needs the model: bad words as token ids, token ids within the vocabulary, and
+        the structured-output constraint the params carry (the request's own, or the chat
+        path's forced tool call) checked by the grammar compiler once, off the loop (a large
+        schema takes a while); each a 400 naming its field. The same for every prompt."""
+        bad_words = []
+        if req.bad_words:
+            bad_words = constraints.bad_words_token_ids(
+                req.bad_words, lambda text: self._encode(text, add_special_tokens=False)
+            )
+        for sp in params:
+            sp.bad_words_token_ids = [list(w) for w in bad_words]
+        if params:
+            constraints.check_token_ids(params[0], self.llm.vocab_size)
+        constraint = params[0].structured_outputs if params else None
+        if constraint is None:
+            return
+        own = req.structured_outputs_params()
+        ours = own is not None and replace(constraint, after_token_ids=None) == own
+        field = (req.constraint_field() if ours else None) or "tools"  # else a forced tool's
+        validator = self.validator
+        await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, constraints.validate_constraint, validator, constraint, field
+        )
 
     # -- admission and the drain --
 
@@ -256,6 +300,7 @@ class EngineServer:
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = self.tokenizer.decode(ids)
             inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
+        await self._finish_params(req, [params for _, params in inputs])
         response_id, created = f"cmpl-{client_id or p.random_id()}", int(time.time())
         streams, release = self._open(
             req, [_internal_id(f"{response_id}-{i}") for i in range(len(inputs))], inputs
@@ -265,12 +310,18 @@ class EngineServer:
                 streams,
                 release,
                 lambda outs: r.completion_response(
-                    req, response_id, created, self.model_name, outs, self.decode_token
+                    req,
+                    response_id,
+                    created,
+                    self.model_name,
+                    outs,
+                    self.decode_token,
+                    self.prompt_tokens_details,
                 ),
             )
         holdback = r.stop_holdback(req.stop_list())
         cursors = [[r.SampleCursor(holdback) for _ in range(req.n)] for _ in streams]
-        usage: dict[str, Any] = {"usage": None} if req.include_usage() else {}
+        echo_only = req.echo_only()
 
         def chunk(choices: list[r.CompletionChoice], **extra: Any) -> str:
             return r.sse(
@@ -288,10 +339,12 @@ class EngineServer:
                     continue
                 text, ids = delta.text, delta.token_ids
                 entries: list[Any] = list(delta.logprobs or [])
+                if echo_only:  # the prompt is the answer: its one step's token is discarded
+                    text, ids, entries = "", [], []
                 if req.echo and not started:
                     text = (out.prompt or "") + text
                     ids = out.prompt_token_ids + ids
-                    entries = [None] * len(out.prompt_token_ids) + entries
+                    entries = r.prompt_entries(out) + entries
                 shown = text or delta.finish_reason or req.logprobs is not None
                 if not (shown or req.return_token_ids):
                     continue  # tokens whose text is held back: nothing to show yet
@@ -310,9 +363,10 @@ class EngineServer:
                     choice["token_ids"] = delta.token_ids
                     if not started:
                         choice["prompt_token_ids"] = out.prompt_token_ids
+                usage = self._chunk_usage(req, len(out.prompt_token_ids), cursor.tokens_sent)
                 yield chunk([r.CompletionChoice(**choice)], **usage)
 
-        return self._stream(streams, release, [], chunks, chunk, bool(usage))
+        return self._stream(streams, release, [], chunks, chunk, req.include_usage())
 
     # -- chat completions --
 
@@ -330,17 +384,23 @@ class EngineServer:
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
         inputs = [((None, ids), req.to_sampling_params(max_tokens))]
+        await self._finish_params(req, [inputs[0][1]])
         streams, release = self._open(req, [_internal_id(response_id)], inputs)
         if not req.stream:
             return await self._respond(
                 streams,
                 release,
                 lambda outs: r.chat_response(
-                    req, response_id, created, self.model_name, outs[0], self.decode_token
+                    req,
+                    response_id,
+                    created,
+                    self.model_name,
+                    outs[0],
+                    self.decode_token,
+                    prompt_tokens_details=self.prompt_tokens_details,
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
-        usage: dict[str, Any] = {"usage": None} if req.include_usage() else {}
 
         def chunk(choices: list[r.ChatStreamChoice], **extra: Any) -> str:
             return r.sse(
@@ -372,6 +432,7 @@ class EngineServer:
                     )
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids
+                usage = self._chunk_usage(req, len(ids), cursors[sample.index].tokens_sent)
                 yield chunk([r.ChatStreamChoice(**choice)], **usage)
 
         # OpenAI opens each choice with the assistant role and empty content.
@@ -380,10 +441,23 @@ class EngineServer:
             role = r.DeltaMessage(role="assistant", content="")
             choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
-            head.append(chunk([choice], **usage, **first))
-        return self._stream(streams, release, head, chunks, chunk, bool(usage))
+            head.append(chunk([choice], **self._chunk_usage(req, len(ids), 0), **first))
+        return self._stream(streams, release, head, chunks, chunk, req.include_usage())
 
     # -- both --
+
+    @staticmethod
+    def _chunk_usage(
+        req: p.CompletionRequest | p.ChatCompletionRequest, prompt_tokens: int, completion: int
+    ) -> dict[str, Any]:
+        """A chunk's usage field: none unless asked for; with `include_usage` null (OpenAI's:
+        the usage comes in a last chunk of its own), and with `continuous_usage_stats` the
+        chunk's prompt and its sample's tokens so far (vLLM's)."""
+        if not req.include_usage():
+            return {}
+        if not req.continuous_usage():
+            return {"usage": None}
+        return {"usage": r.running_usage(prompt_tokens, completion)}
 
     def _open(
         self,
@@ -438,7 +512,9 @@ class EngineServer:
                     for event in chunks(i, out):
                         yield event
                 if include_usage:
-                    usage = r.usage_of([s.last for s in streams if s.last is not None])
+                    usage = r.usage_of(
+                        [s.last for s in streams if s.last is not None], self.prompt_tokens_details
+                    )
                     yield chunk([], usage=usage)
                 yield r.DONE
             except APIError as e:

@@ -211,7 +211,11 @@ class FakeLLM:
                     if params.logprobs is not None:
                         ids = [token, *range(token, token + params.logprobs)]
                         entry = [LogprobsEntry(ids, [-0.25] + [-1.0] * params.logprobs, 1)]
-                    outs.append(EngineCoreOutput(child, [token], entry, "length" if last else None))
+                    outs.append(
+                        EngineCoreOutput(
+                            child, [token], entry, finish_reason="length" if last else None
+                        )
+                    )
                     if last:
                         done.add(child)
                 updates, to_abort = processor.process_outputs(outs)
@@ -361,7 +365,12 @@ def test_completion_response_shape() -> None:
     assert body["choices"][2]["text"] == "c" + SCRIPT[:5]
     assert body["choices"][2]["prompt_token_ids"] == [99]
     assert body["choices"][0]["token_ids"] == [ord(c) for c in SCRIPT[:5]]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 20,
+        "total_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert [s.max_tokens for _, _, s in llm.seen] == [5, 5]
 
 
@@ -395,7 +404,12 @@ def test_completion_stream_shape_with_usage() -> None:
     ]
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-1]["choices"] == []
-    assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert events[-1]["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert all(e["usage"] is None for e in events[:-1])
 
 
@@ -440,6 +454,7 @@ def test_chat_response_shape() -> None:
         "prompt_tokens": prompt_len,
         "completion_tokens": 4,
         "total_tokens": prompt_len + 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
