@@ -101,6 +101,7 @@ class AsyncLLM:
         self.kv_transport: str | None = None  # the KV transport in use; None: no connector
         self.kv_ports: list[int] | None = None  # where each rank serves its KV shard
         self.fingerprint: Fingerprint | None = None  # the core's, once it is ready
+        self.eos_token_ids: tuple[int, ...] = ()  # the model's, once the core is ready
 
     @classmethod
     async def start(cls, args: EngineArgs) -> AsyncLLM:
@@ -153,6 +154,7 @@ class AsyncLLM:
         self.num_blocks = ready.num_blocks
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.eos_token_ids = tuple(ready.eos_token_ids)
         self.kv_transport = ready.kv_transport
         self.kv_ports = ready.kv_ports
         self.fingerprint = ready.fingerprint

@@ -15,6 +15,31 @@ ATTENTION_BACKENDS = ("torch", "triton")  # Baton's Triton kernels on CUDA; C/to
 EXECUTOR_BACKENDS = ("uni", "mp")  # in this process; one worker process per rank
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance")  # llguidance; "auto" names it too
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `--structured-outputs-config`: how the engine compiles constraints.
+
+    Baton's one departure from vLLM's defaults: JSON has no free whitespace unless asked for
+    (`disable_any_whitespace: false`). A grammar that allows whitespace between every token lets
+    a model pad forever where its likeliest token is a space or newline, and the answer is then
+    cut at max_tokens, invalid; compact JSON is also what OpenAI's structured outputs return."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+    # Objects in a JSON schema that say nothing of other properties allow none.
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"structured_outputs_config.backend must be one of "
+                f"{STRUCTURED_OUTPUT_BACKENDS}, got {self.backend!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Everything that shapes one engine. `None` means: derive it from the model and device."""
@@ -42,6 +67,7 @@ class EngineArgs:
     # "uni": the model in the EngineCore's process; "mp": worker processes. None: uni for
     # tensor_parallel_size 1, mp above.
     distributed_executor_backend: str | None = None
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def __post_init__(self) -> None:
         for name in (

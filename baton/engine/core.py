@@ -219,7 +219,9 @@ class EngineCore:
         tokenizer = load_tokenizer(args.tokenizer or self.model_path, args.chat_template)
         mc = self.model_config
         # The mask is as wide as the logits (the model's vocab_size), not the tokenizer's.
-        compiler = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        compiler = GrammarCompiler.from_config(
+            tokenizer, mc.vocab_size, mc.eos_token_ids, args.structured_outputs_config
+        )
         return StructuredOutputManager(compiler)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -70,6 +70,7 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
         max_model_len=core.max_model_len,
         model_path=str(core.model_path),
         vocab_size=core.model_config.vocab_size,
+        eos_token_ids=list(core.model_config.eos_token_ids),
         kv_transport=worker.transport_name if worker is not None else None,
         kv_ports=worker.ports if worker is not None else None,
         fingerprint=core.fingerprint,

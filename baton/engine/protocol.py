@@ -38,6 +38,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     model_path: str  # the folder in use (the built-in model's, when none was named)
     vocab_size: int
+    eos_token_ids: list[int]  # where a grammar lets the answer end
     kv_transport: str | None = None  # the KV transport in use (None: no connector)
     kv_ports: list[int] | None = None  # one per tensor-parallel rank
     fingerprint: Fingerprint | None = None  # what a hand-off partner must equal

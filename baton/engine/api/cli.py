@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
 
 from baton.cli import from_args
 from baton.engine.api.server import ServerConfig, serve
-from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs
+from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs, StructuredOutputsConfig
 from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
 from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, default_secret_file
@@ -58,6 +59,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=e.tensor_parallel_size,
         help="worker processes, one per rank (one per GPU), that split the model's heads",
+    )
+    parser.add_argument(
+        "--structured-outputs-config",
+        type=_structured_outputs_json,
+        default=None,
+        help="JSON, vLLM's keys: backend (auto|guidance), disable_any_whitespace (default true "
+        "here: compact JSON), disable_additional_properties (default false)",
     )
     parser.add_argument(
         "--distributed-executor-backend",
@@ -120,6 +128,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _structured_outputs_config(text: str | None) -> StructuredOutputsConfig:
+    if text is None:
+        return StructuredOutputsConfig()
+    fields = json.loads(text)
+    if not isinstance(fields, dict):
+        raise ValueError("expected a JSON object")
+    return StructuredOutputsConfig(**fields)
+
+
+def _structured_outputs_json(text: str) -> str:
+    """The flag's JSON, checked; kept as text so that `baton serve` passes it on as given."""
+    try:
+        _structured_outputs_config(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
+
+
 def _chat_template(value: str) -> str:
     """`--chat-template`: the value itself when it reads as a template, else a file's contents."""
     if "{{" in value or "{%" in value:
@@ -134,7 +160,12 @@ def _chat_template(value: str) -> str:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     """`EngineArgs` and `ServerConfig` from `add_server_args`' flags; ValueError if invalid."""
-    engine = from_args(EngineArgs, args, kv_transfer=_kv_transfer_config(args))
+    engine = from_args(
+        EngineArgs,
+        args,
+        kv_transfer=_kv_transfer_config(args),
+        structured_outputs_config=_structured_outputs_config(args.structured_outputs_config),
+    )
     server = from_args(
         ServerConfig,
         args,

@@ -9,17 +9,12 @@ compiler is llguidance's, which the API process may load.
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from baton.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.errors import APIError
-
-logger = logging.getLogger(__name__)
 
 Encode = Callable[[str], list[int]]
 
@@ -104,34 +99,3 @@ def _named(message: str, param: str) -> str:
     if _KIND_PREFIX.match(message):
         return _KIND_PREFIX.sub(param, message, count=1)
     return f"{param}: {message}"
-
-
-def make_validator(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
-    """The server's grammar compiler (built once: it indexes the whole vocabulary), or None
-    where the structured-output backend is not installed in this tree."""
-    try:
-        from baton.engine.structured.backend import GrammarCompiler
-    except ImportError:
-        logger.warning("no structured-output backend: constraints go to the engine unchecked")
-        return None
-    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-
-
-def eos_token_ids(model_path: Path) -> tuple[int, ...]:
-    """The model's end-of-sequence ids, read as the core reads them (`generation_config.json`
-    over `config.json`): the READY message does not carry them, and the API process must not
-    import the model package (torch) to learn them."""
-
-    def read(name: str) -> dict[str, Any]:
-        path = model_path / name
-        try:
-            data = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    eos = read("config.json").get("eos_token_id")
-    eos = read("generation_config.json").get("eos_token_id", eos)
-    if isinstance(eos, list):
-        return tuple(int(t) for t in eos)
-    return () if eos is None else (int(eos),)

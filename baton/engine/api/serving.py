@@ -34,6 +34,7 @@ from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured.backend import GrammarCompiler
 from baton.errors import APIError
 from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.params import KVTransferParams
@@ -104,8 +105,12 @@ class EngineServer:
         """The grammar compiler, made on first use: it indexes the whole vocabulary, which a
         server that never sees a constraint need not pay for at start."""
         if self._validator is None:
-            eos = constraints.eos_token_ids(self.llm.model_path)
-            self._validator = constraints.make_validator(self.tokenizer, self.llm.vocab_size, eos)
+            self._validator = GrammarCompiler.from_config(
+                self.tokenizer,
+                self.llm.vocab_size,
+                self.llm.eos_token_ids,
+                self.llm.args.structured_outputs_config,
+            )
         return self._validator
 
     async def _finish_params(

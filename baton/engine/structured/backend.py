@@ -24,6 +24,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
+from baton.engine.config import StructuredOutputsConfig
 from baton.engine.sampling_params import StructuredOutputsParams
 from baton.engine.tokenizer import Tokenizer
 
@@ -81,7 +82,9 @@ class GrammarCompiler:
     `vocab_size` is the model's logits width, which may exceed the tokenizer's (padded
     embeddings): ids past the tokenizer's are no token and never allowed. `eos_token_ids` are
     the model's end tokens; a mask allows them exactly where the grammar may end.
-    `any_whitespace=False` is vLLM's `disable_any_whitespace`: JSON without free whitespace.
+    `any_whitespace=False` is vLLM's `disable_any_whitespace`: JSON without free whitespace;
+    `additional_properties=False` its `disable_additional_properties`. `from_config` makes one
+    as the engine's `StructuredOutputsConfig` says.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class GrammarCompiler:
         eos_token_ids: Sequence[int],
         *,
         any_whitespace: bool = True,
+        additional_properties: bool = True,
         cache_size: int = 64,
     ) -> None:
         eos = [int(t) for t in eos_token_ids]
@@ -103,6 +107,7 @@ class GrammarCompiler:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = tuple(eos)
         self.any_whitespace = any_whitespace
+        self.additional_properties = additional_properties
         # llguidance reads the tokenizers JSON itself (the added tokens Baton's Tokenizer put
         # in included); sized to cover both the logits and every token it knows.
         self.ll_tokenizer = llguidance.LLTokenizer(
@@ -118,6 +123,22 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._cache: OrderedDict[StructuredOutputsParams, Future[Grammar]] = OrderedDict()
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(
+        cls,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        config: StructuredOutputsConfig,
+    ) -> GrammarCompiler:
+        return cls(
+            tokenizer,
+            vocab_size,
+            eos_token_ids,
+            any_whitespace=not config.disable_any_whitespace,
+            additional_properties=not config.disable_additional_properties,
+        )
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raises `GrammarError` when `params` cannot compile. Checks the grammar's syntax and
@@ -197,6 +218,8 @@ class GrammarCompiler:
             raise GrammarError("structured_outputs.json: the schema false matches nothing")
         if schema is True:
             schema = {}
+        if not self.additional_properties:
+            schema = strict_json_schema(schema)
         try:
             return str(
                 llguidance.LLMatcher.grammar_from_json_schema(

@@ -167,6 +167,7 @@ class FakeLLM:
     def __init__(self) -> None:
         self.tokenizer = char_tokenizer()
         self.vocab_size = 512
+        self.eos_token_ids = (2,)
         self.model_path = Path("/models/fake-model")
         self.max_model_len = 64
         self.args = EngineArgs()

@@ -2,16 +2,10 @@
 `server` fixture: random tiny weights, so an unconstrained answer is noise and only the grammar
 can make one valid), driven by the `openai` client.
 
-The 400s need only the API edge and the grammar compiler. The constrained answers need the
-engine to apply the grammar (the scheduler's StructuredOutputManager and the sampler's bitmask),
-and the echoed prompt logprobs need the engine to compute them: each waits, skipped, until the
-engine in this tree does.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import json
 import re
 from typing import Any, Literal
@@ -26,22 +20,6 @@ from tests.support.engine_server import NAME, Server, expect_error
 
 pytestmark = pytest.mark.slow  # the shared server process
 
-
-def _source_mentions(module: str, word: str) -> bool:
-    if importlib.util.find_spec(module) is None:
-        return False
-    return word in inspect.getsource(importlib.import_module(module))
-
-
-# The engine applies grammars once the scheduler keeps a StructuredOutputManager (wt-sched).
-ENGINE_CONSTRAINS = _source_mentions("baton.engine.core", "StructuredOutputManager") or (
-    _source_mentions("baton.engine.scheduler.scheduler", "StructuredOutputManager")
-)
-# The engine returns prompt logprobs once the output processor passes them on (wt-sampler).
-ENGINE_PROMPT_LOGPROBS = _source_mentions("baton.engine.output_processor", "prompt_logprobs")
-HAS_COMPILER = importlib.util.find_spec("baton.engine.structured.backend") is not None
-
-constrains = pytest.mark.skipif(not ENGINE_CONSTRAINS, reason="the engine applies no grammar yet")
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -59,7 +37,6 @@ def _post(server: Server, route: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{server.url}{route}", json={"model": NAME, **body}, timeout=60)
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no grammar compiler in this tree")
 def test_bad_constraints_are_400s_and_the_engine_keeps_serving(server: Server) -> None:
     """What the grammar library rejects is a 400 naming the field, before the core sees it."""
     bad_schema = {"type": "object", "properties": {"x": {"type": "bogus"}}}
@@ -82,7 +59,6 @@ def test_bad_constraints_are_400s_and_the_engine_keeps_serving(server: Server) -
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
-@constrains
 def test_json_schema_answers_validate(server: Server) -> None:
     """response_format json_schema on chat and guided_json on completions: every answer is
     JSON that validates against the schema, several samples each."""
@@ -103,7 +79,6 @@ class Pick(BaseModel):
     ok: bool
 
 
-@constrains
 def test_openai_parse_returns_a_parsed_object(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     done = client.chat.completions.parse(
@@ -116,7 +91,6 @@ def test_openai_parse_returns_a_parsed_object(server: Server) -> None:
     assert isinstance(done.choices[0].message.parsed, Pick)
 
 
-@constrains
 def test_regex_and_choice_outputs_match(server: Server) -> None:
     resp = _post(server, "/v1/completions", {"prompt": "n:", "guided_regex": "[0-9]{3}-[ab]",
                                              "max_tokens": 20, "n": 2, "seed": 2})  # fmt: skip
@@ -129,7 +103,6 @@ def test_regex_and_choice_outputs_match(server: Server) -> None:
     assert resp.json()["choices"][0]["message"]["content"] in options
 
 
-@pytest.mark.skipif(not ENGINE_PROMPT_LOGPROBS, reason="the engine returns no prompt logprobs")
 def test_echo_with_logprobs_scores_the_prompt(server: Server) -> None:
     """What evaluation harnesses send: echo, logprobs, max_tokens=0; the prompt comes back with
     a logprob for every token but the first."""
