@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from baton.engine.structured.backend import strict_json_schema
 from baton.errors import APIError
 
 # ---- errors --------------------------------------------------------------------------------
@@ -197,12 +198,17 @@ class _GenerationRequest(OpenAIBaseModel):
     def _constraint(self) -> tuple[StructuredOutputsParams, str] | None:
         found: list[tuple[str, dict[str, Any]]] = []
         whitespace = self.guided_whitespace_pattern
+        options: dict[str, Any] = {}
+        closed = False
         rf = self.response_format
         if rf is not None and rf.type != "text":
             found.append(("response_format", _from_response_format(rf)))
         so = self.structured_outputs
         if so is not None:
             whitespace = so.whitespace_pattern or whitespace
+            if so.disable_any_whitespace:
+                options["whitespace_flexible"] = False
+            closed = so.disable_additional_properties
             kinds = {
                 "json": so.json_,
                 "regex": so.regex,
@@ -232,7 +238,9 @@ class _GenerationRequest(OpenAIBaseModel):
             )
         param, kind = found[0]
         if "json" in kind:
-            kind["json"] = _schema_text(kind["json"], param, whitespace)
+            if whitespace is not None:
+                options["whitespace_pattern"] = whitespace
+            kind["json"] = _schema_text(kind["json"], param, options, closed)
         try:
             return StructuredOutputsParams(**kind), param
         except ValueError as e:
@@ -323,9 +331,13 @@ def _from_response_format(rf: ResponseFormat) -> dict[str, Any]:
     return {"structural_tag": json.dumps(rf.model_dump(by_alias=True, exclude_none=True))}
 
 
-def _schema_text(schema: str | dict[str, Any], param: str, whitespace: str | None) -> str:
-    """A JSON schema as the JSON text `StructuredOutputsParams.json` holds. A whitespace
-    pattern (vLLM's `whitespace_pattern`) goes in as llguidance's `x-guidance` option."""
+def _schema_text(
+    schema: str | dict[str, Any], param: str, options: dict[str, Any], closed: bool
+) -> str:
+    """A JSON schema as the JSON text `StructuredOutputsParams.json` holds. The request's
+    whitespace options (vLLM's `whitespace_pattern`, `disable_any_whitespace`) go in as
+    llguidance's `x-guidance` options, which win over the engine's defaults; `closed` is
+    vLLM's `disable_additional_properties`."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -333,10 +345,11 @@ def _schema_text(schema: str | dict[str, Any], param: str, whitespace: str | Non
             raise APIError(400, f"{param}: the schema is not valid JSON: {e}", param) from None
     if not isinstance(schema, dict):
         raise APIError(400, f"{param}: a JSON schema must be an object", param)
-    if whitespace is not None:
-        options = schema.get("x-guidance")
-        schema = {**schema, "x-guidance": {**(options if isinstance(options, dict) else {}),
-                                           "whitespace_pattern": whitespace}}  # fmt: skip
+    if closed:
+        schema = strict_json_schema(schema)
+    if options:
+        own = schema.get("x-guidance")
+        schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}), **options}}
     return json.dumps(schema)
 
 

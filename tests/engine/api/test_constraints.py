@@ -410,3 +410,22 @@ def test_the_grammar_compilers_errors_name_the_request_field(tiny_model: Any) ->
         assert e.value.param == param and e.value.message.startswith(param), e.value.message
         assert "structured_outputs." not in e.value.message or param == "structured_outputs"
     constraints.validate_constraint(compiler, StructuredOutputsParams(json=json.dumps(SCHEMA)), "x")
+
+
+def test_per_request_whitespace_and_closed_objects() -> None:
+    """vLLM's per-request `disable_any_whitespace` and `disable_additional_properties` reach the
+    grammar: compact JSON for this request, objects that allow no other properties."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    got = _constraint(
+        structured_outputs={
+            "json": open_schema,
+            "disable_any_whitespace": True,
+            "disable_additional_properties": True,
+        }
+    )
+    assert got is not None
+    schema = json.loads(got.json or "")
+    assert schema["x-guidance"] == {"whitespace_flexible": False}
+    assert schema["additionalProperties"] is False
+    plain = _constraint(structured_outputs={"json": open_schema})
+    assert plain is not None and json.loads(plain.json or "") == open_schema

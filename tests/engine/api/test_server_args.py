@@ -112,3 +112,17 @@ def test_a_long_template_or_a_long_name_is_not_a_crash() -> None:
     )
     with pytest.raises(SystemExit):
         _parse("--chat-template", "n" * 300)
+
+
+def test_structured_outputs_config_flag() -> None:
+    """vLLM's --structured-outputs-config JSON: compact JSON unless asked otherwise; unknown keys
+    and backends are refused by the parser, naming them."""
+    engine, _ = configs_from_args(_parse())
+    assert engine.structured_outputs_config.disable_any_whitespace is True
+    engine, _ = configs_from_args(
+        _parse("--structured-outputs-config", '{"disable_any_whitespace": false}')
+    )
+    assert engine.structured_outputs_config.disable_any_whitespace is False
+    for bad in ('{"bogus": 1}', '{"backend": "xgrammar"}', "[1]", "not json"):
+        with pytest.raises(SystemExit):
+            _parse("--structured-outputs-config", bad)

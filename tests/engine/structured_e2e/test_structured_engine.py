@@ -27,9 +27,7 @@ SCHEMA = {
     },
     "required": ["name", "age", "tags"],
     "additionalProperties": False,
-    # Compact JSON: with flexible whitespace a random model can pad until max_tokens.
-    "x-guidance": {"whitespace_flexible": False},
-}
+}  # compact JSON is the engine's default: with free whitespace a random model pads forever
 JSON = StructuredOutputsParams(json=json.dumps(SCHEMA))
 REGEX = r"[a-z]{2,5}-[0-9]{1,3}"
 CHOICES = ("alpha", "beta", "gamma")
