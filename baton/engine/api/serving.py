@@ -26,8 +26,10 @@ from pydantic import BaseModel
 
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
+from baton.engine.api import tools
 from baton.engine.api.metrics import EngineMetrics
 from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, collect, merge
+from baton.engine.api.tools import ChoiceParser, ToolConfig
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
@@ -59,7 +61,9 @@ class EngineServer:
         max_waiting_requests: int | None,  # 429 once the engine has this many waiting
         engine_label: str,  # the `engine` label of every metric
         trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
+        tool_config: ToolConfig | None = None,  # tool calling and reasoning parsers
     ) -> None:
+        self.tool_config = tool_config or ToolConfig()
         self.llm = llm
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = llm.tokenizer
@@ -217,22 +221,39 @@ class EngineServer:
     async def _chat_prompt(
         self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
     ) -> list[int]:
+        _, ids = await self._render_chat(messages, add_generation_prompt, template)
+        return ids
+
+    async def _render_chat(
+        self,
+        messages: list[p.ChatMessage],
+        add_generation_prompt: bool,
+        template: str | None,
+        tool_dicts: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,  # the request's chat_template_kwargs
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt's text and token ids."""
         self._check_chat_template(template)
         conversation = [m.to_template() for m in messages]
         size = sum(len(str(m.get("content", ""))) for m in conversation)
+        size += len(str(tool_dicts or "")) + len(str(template_kwargs or ""))
 
-        def render() -> list[int]:
+        def render() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
+                tools=tool_dicts,
+                **(template_kwargs or {}),
             )
-            return self._encode(text, add_special_tokens=False)
+            return text, self._encode(text, add_special_tokens=False)
 
         try:
             # A request's own template (trusted, but its loops are its own) always goes off it.
-            return await self._tokenized(render, size > OFF_LOOP_CHARS or template is not None)
+            if size > OFF_LOOP_CHARS or template is not None:
+                return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
+            return render()
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render
@@ -322,21 +343,37 @@ class EngineServer:
         req.check()
         self._check_model(req.model)
         client_id = header_request_id or req.request_id
-        ids = await self._chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
+        prompt, ids = await self._render_chat(
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template,
+            req.template_tools(),
+            req.chat_template_kwargs,
+        )
+        mode = tools.output_mode(req, self.tool_config, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = p.resolve_max_tokens(
             req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
         )
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
-        inputs = [((None, ids), req.to_sampling_params(max_tokens))]
+        params = req.to_sampling_params(max_tokens)
+        own = getattr(req, "structured_outputs_params", None)  # the api branch's (response_format)
+        params.structured_outputs = tools.constraint(
+            req, mode, own() if own is not None else None, self._think_end_ids(mode)
+        )
+        # The lead wires the grammar compiler's edge check here (a tool's bad parameters schema
+        # is a 400 "tools"), as the api branch does for response_format.
+        if mode.tool_parser is not None and mode.tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser reads its marker tokens (vLLM)
+        inputs = [((None, ids), params)]
         streams, release = self._open(req, [_internal_id(response_id)], inputs)
         if not req.stream:
             return await self._respond(
                 streams,
                 release,
                 lambda outs: r.chat_response(
-                    req, response_id, created, self.model_name, outs[0], self.decode_token
+                    req, response_id, created, self.model_name, outs[0], self.decode_token, mode
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
@@ -349,18 +386,32 @@ class EngineServer:
                 )
             )
 
+        parsers = [ChoiceParser(mode) for _ in range(req.n)]
+        texts = [""] * req.n
+        plain = mode.tool_parser is None and mode.reasoning is None
+
         def chunks(_: int, out: RequestOutput) -> Iterator[str]:
             for sample in out.outputs:
                 delta = cursors[sample.index].advance(sample)
                 if delta is None:
                     continue
-                if not (delta.text or delta.finish_reason or req.logprobs or req.return_token_ids):
+                finish = _finish_reason(delta)
+                if plain:
+                    message = r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage()
+                    shown = bool(delta.text)
+                else:
+                    parser = parsers[sample.index]
+                    texts[sample.index] += delta.text
+                    parsed = parser.advance(texts[sample.index], final=finish is not None)
+                    message, shown = r.delta_message(parsed), bool(parsed)
+                    finish = tools.finish_reason(mode, parser.called, finish)
+                if not (shown or finish or req.logprobs or req.return_token_ids):
                     continue  # tokens whose text is held back: nothing to show yet
                 choice: dict[str, Any] = {
                     "index": sample.index,
-                    "delta": r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage(),
+                    "delta": message,
                     "logprobs": None,
-                    "finish_reason": _finish_reason(delta),
+                    "finish_reason": finish,
                     "stop_reason": delta.stop_reason,
                 }
                 if req.logprobs:
@@ -382,6 +433,12 @@ class EngineServer:
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
             head.append(chunk([choice], **usage, **first))
         return self._stream(streams, release, head, chunks, chunk, bool(usage))
+
+    def _think_end_ids(self, mode: tools.OutputMode) -> list[int] | None:
+        """`</think>`'s token ids, where the answer may reason (a grammar starts after them)."""
+        if mode.reasoning is None or mode.think_state == "closed":
+            return None
+        return self.tokenizer.encode(mode.reasoning.end, add_special_tokens=False)
 
     # -- both --
 
