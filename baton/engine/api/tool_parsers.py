@@ -88,9 +88,9 @@ class HermesToolParser(ToolParser):
                 tail = text[pos:]
                 if not final:
                     tail = tail[: len(tail) - partial_suffix(tail, self.start)]
-                content.append(tail)
+                content.append(self._between(tail, calls))
                 break
-            content.append(text[pos:i])
+            content.append(self._between(text[pos:i], calls))
             j = text.find(self.end, i + len(self.start))
             if j < 0 and not final:
                 break  # an open call: nothing after its start is known yet
@@ -105,6 +105,12 @@ class HermesToolParser(ToolParser):
             if j < 0:
                 break
         return Parsed("".join(content), calls)
+
+    @staticmethod
+    def _between(text: str, calls: list[ParsedCall]) -> str:
+        # The newlines the model writes between and after calls are not content; until
+        # something else follows, text after a call cannot be told from them.
+        return "" if calls and not text.strip() else text
 
     @staticmethod
     def _call(body: str) -> ParsedCall | None:
