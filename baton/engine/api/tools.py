@@ -235,10 +235,12 @@ class ChoiceParser:
 
 
 def finish_reason(mode: OutputMode, called: bool, engine_reason: str | None) -> str | None:
-    """vLLM's: an answer with calls ends with "tool_calls" (a forced call cut by the length
-    limit keeps "length": its arguments are not whole)."""
+    """vLLM's (and OpenAI's): "tool_calls" when an auto choice called, or a required one
+    stopped; a named choice ends as the engine says ("stop"), as does a call cut short."""
     if not called or engine_reason is None:
         return engine_reason
-    if mode.forced and engine_reason == "length":
+    if isinstance(mode.tool_parser, NamedToolParser):
+        return engine_reason
+    if isinstance(mode.tool_parser, RequiredToolParser) and engine_reason != "stop":
         return engine_reason
     return "tool_calls"

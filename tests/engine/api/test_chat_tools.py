@@ -347,7 +347,7 @@ def _whole(choice: dict[str, Any]) -> dict[str, Any]:
                 "reasoning_content": None,
                 "content": None,
                 "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}],
-                "finish_reason": "tool_calls",
+                "finish_reason": "stop",  # vLLM: a named call ends as the engine says
             },
         ),
         (
