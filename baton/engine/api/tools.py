@@ -55,20 +55,30 @@ def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
         return _parameters(req, choice.function.name)
     if choice != "required":
         return None
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters or _EMPTY_PARAMETERS,
-            },
-            "required": ["name", "parameters"],
-        }
-        for t in req.tools or []
-    ]
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in req.tools or []:
+        parameters = dict(tool.function.parameters or _EMPTY_PARAMETERS)
+        # A tool's `#/$defs/...` refs resolve from the root once its schema is nested in the
+        # list's: its definitions move there (as vLLM does), and two tools may not disagree.
+        for name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise APIError(400, f"tools define $defs/{name} differently; rename one", "tools")
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

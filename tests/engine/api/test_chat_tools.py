@@ -391,3 +391,28 @@ def test_a_named_call_cut_by_the_length_limit_keeps_length() -> None:
     choice = _chat(app, tools=TOOLS, tool_choice=named, max_tokens=4).json()["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"ci'
+
+
+def test_required_moves_each_tools_defs_to_the_root() -> None:
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    with_defs = {
+        "type": "function",
+        "function": {
+            "name": "plot",
+            "parameters": {
+                "type": "object",
+                "properties": {"at": {"$ref": "#/$defs/Point"}},
+                "$defs": {"Point": point},
+            },
+        },
+    }
+    llm = AnswerLLM("x")
+    _chat(_app(llm, reasoning_parser=None), tools=[with_defs], tool_choice="required")
+    schema = json.loads(_constraint(llm).json)
+    assert schema["$defs"] == {"Point": point}
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = {"type": "function", "function": json.loads(json.dumps(with_defs["function"]))}
+    other["function"]["name"] = "plot2"
+    other["function"]["parameters"]["$defs"]["Point"] = {"type": "string"}
+    body = {"tools": [with_defs, other], "tool_choice": "required"}
+    assert "Point" in _error(_chat(_app(llm), **body), 400, "tools")
