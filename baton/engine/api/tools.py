@@ -72,6 +72,8 @@ def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
                     "parameters": parameters,
                 },
                 "required": ["name", "parameters"],
+                # Nothing else: free keys would let a weak model write long strings forever.
+                "additionalProperties": False,
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}

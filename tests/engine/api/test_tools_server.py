@@ -75,6 +75,10 @@ def tools_server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         "qwen3",
         "--chat-template",
         str(TEMPLATE),
+        # The tools in the prompt take ~870 tokens of the tiny model's vocabulary: room for
+        # answers (the last flag wins over the helper's 1024; the model has 2048 positions).
+        "--max-model-len",
+        "2048",
     )
     try:
         yield s
@@ -99,7 +103,7 @@ def test_required_always_yields_valid_calls(tools_server: Server) -> None:
         n=4,
         temperature=1.0,
         seed=7,
-        max_tokens=300,
+        max_tokens=800,
         extra_body=NO_THINKING,
     )
     for choice in resp.choices:
@@ -131,7 +135,7 @@ def test_named_and_single_calls(tools_server: Server) -> None:
         parallel_tool_calls=False,
         temperature=1.0,
         seed=5,
-        max_tokens=300,
+        max_tokens=800,
         extra_body=NO_THINKING,
     )
     _check_calls(single.choices[0].message)
@@ -190,7 +194,7 @@ def test_auto_streamed_equals_whole(tools_server: Server) -> None:
 )
 def test_forced_streamed_equals_whole(tools_server: Server, choice: Any) -> None:
     whole, streamed = _both(
-        tools_server, tools=TOOLS, tool_choice=choice, max_tokens=200, extra_body=NO_THINKING
+        tools_server, tools=TOOLS, tool_choice=choice, max_tokens=800, extra_body=NO_THINKING
     )
     assert streamed == whole and whole["calls"]
     assert whole["finish"] == ("tool_calls" if choice == "required" else "stop")  # vLLM's
