@@ -362,8 +362,8 @@ class EngineServer:
         params.structured_outputs = tools.constraint(
             req, mode, own() if own is not None else None, self._think_end_ids(mode)
         )
-        # The lead wires the grammar compiler's edge check here (a tool's bad parameters schema
-        # is a 400 "tools"), as the api branch does for response_format.
+        # Merge: the api branch's `_finish_params(req, [params])` goes here, after the tool
+        # constraint is set (it checks a forced tool's schema too, a 400 naming "tools").
         if mode.tool_parser is not None and mode.tool_parser.needs_special_tokens:
             params.skip_special_tokens = False  # the parser reads its marker tokens (vLLM)
         inputs = [((None, ids), params)]
@@ -373,7 +373,13 @@ class EngineServer:
                 streams,
                 release,
                 lambda outs: r.chat_response(
-                    req, response_id, created, self.model_name, outs[0], self.decode_token, mode
+                    req,
+                    response_id,
+                    created,
+                    self.model_name,
+                    outs[0],
+                    self.decode_token,
+                    mode=mode,
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
