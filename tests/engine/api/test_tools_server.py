@@ -231,3 +231,28 @@ def test_auto_without_the_flag_is_refused_and_unknown_parsers_stop_the_start(
         timeout=120,
     )
     assert out.returncode == 2 and "hermes" in out.stderr and "llama3_json" in out.stderr
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("baton.engine.api.constraints") is None,
+    reason="needs the api branch's grammar check at the edge",
+)
+def test_a_tool_schema_the_grammar_cannot_take_is_a_400(tools_server: Server) -> None:
+    import openai
+
+    bad: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+            },
+        }
+    ]
+    client = tools_server.client()
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=bad, tool_choice="required", max_tokens=4
+        )
+    ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4)
+    assert ok.choices[0].message.role == "assistant"  # the engine goes on serving
