@@ -57,8 +57,10 @@ MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris, and 
 # grammar constrains from the first token.
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
+# The grammar backend (wt-grammar) and the scheduler that masks with it (wt-sched).
 needs_grammar = pytest.mark.skipif(
-    importlib.util.find_spec("baton.engine.structured") is None,
+    importlib.util.find_spec("baton.engine.structured") is None
+    or importlib.util.find_spec("baton.engine.scheduler.structured") is None,
     reason="needs the engine's structured outputs (the grammar and scheduler branches)",
 )
 
