@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 from baton.cli import from_args
+from baton.engine.api.reasoning import REASONING_PARSERS
 from baton.engine.api.server import ServerConfig, serve
+from baton.engine.api.tool_parsers import TOOL_PARSERS
 from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs, StructuredOutputsConfig
 from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
@@ -90,6 +92,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=s.enable_prompt_tokens_details,
         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the --tool-call-parser finds the calls in the answer',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="the format the model writes tool calls in (vLLM's names)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think>...</think> reasoning into reasoning_content (vLLM's names)",
     )
     k = KVTransferConfig
     parser.add_argument(

@@ -405,11 +405,49 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    """One entry of `tools`: only function tools, as OpenAI's chat API and vLLM have."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... go to the template
+    model_config = ConfigDict(extra="allow")  # name, reasoning_content, ... go to the template
 
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
     def to_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -424,7 +462,31 @@ class ChatMessage(BaseModel):
             message["content"] = "\n".join(texts)
         elif self.content is None:
             message["content"] = ""
+        if self.tool_calls is not None:
+            # Templates index the arguments (`tool_call.arguments | items`): vLLM gives them a
+            # dict, parsed from the JSON text the API sent.
+            message["tool_calls"] = [_template_call(c) for c in self.tool_calls]
         return message
+
+
+def _template_call(call: ToolCallParam) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError as e:
+        raise APIError(
+            400, f"tool_calls[].function.arguments is not valid JSON: {e}", "messages"
+        ) from None
+    out = call.model_dump(exclude_none=True)
+    out["function"]["arguments"] = arguments
+    return out
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# chat_template_kwargs may not set these: the server renders them itself (and a template sent
+# this way would pass by the --trust-request-chat-template check).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "chat_template", "tokenize", "add_generation_prompt"}
+)
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -435,16 +497,51 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (vLLM)
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_common()
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise APIError(400, "When using `tool_choice`, `tools` must be set.", "tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools must have distinct function names", "tools")
+        for i, tool in enumerate(self.tools or []):
+            params = tool.function.parameters
+            if params is not None and params.get("type", "object") != "object":
+                raise APIError(
+                    400, f"tools[{i}].function.parameters must be an object schema", "tools"
+                )
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise APIError(
+                400,
+                f"Tool '{choice.function.name}' has not been passed in `tools`.",
+                "tool_choice",
+            )
+        for key in sorted(RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})):
+            raise APIError(400, f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` as the chat template sees them (vLLM passes them with tool_choice none too)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def requested_max_tokens(self) -> int | None:
         return (

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from baton.engine.api import tools
 from baton.engine.api.protocol import ChatCompletionRequest, CompletionRequest
 from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -91,9 +92,32 @@ class ChatLogProbs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # vLLM's field; `reasoning` mirrors it (vLLM's newer name), both None without a parser.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # The tool and reasoning fields appear when the request used them (vLLM's message has
+        # them always; a plain chat answer keeps OpenAI's two-field message).
+        data: dict[str, Any] = handler(self)
+        optional = ("reasoning_content", "reasoning", "tool_calls")
+        return {k: v for k, v in data.items() if k not in optional or k in self.model_fields_set}
 
 
 class ChatChoice(BaseModel):
@@ -114,9 +138,27 @@ class ChatCompletionResponse(_Envelope):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: the first has index, id, type and name, the rest argument
+    text only (OpenAI's format; a chunk leaves out what it does not set)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):
@@ -444,6 +486,7 @@ def chat_response(
     model: str,
     out: RequestOutput,
     decode: DecodeToken,
+    mode: tools.OutputMode | None = None,  # None: the text is all content
     *,
     prompt_tokens_details: bool = True,
 ) -> ChatCompletionResponse:
@@ -454,12 +497,17 @@ def chat_response(
             logprobs = chat_logprobs(
                 sample.token_ids, sample.logprobs or [], request.top_logprobs or 0, decode
             )
+        finish = sample.finish_reason
+        if mode is None:
+            message = AssistantMessage(content=sample.text)
+        else:
+            message, finish = chat_message(mode, sample.text, finish)
         choices.append(
             ChatChoice(
                 index=sample.index,
-                message=AssistantMessage(content=sample.text),
+                message=message,
                 logprobs=logprobs,
-                finish_reason=sample.finish_reason,
+                finish_reason=finish,
                 stop_reason=sample.stop_reason,
                 token_ids=list(sample.token_ids) if request.return_token_ids else None,
             )
@@ -474,6 +522,45 @@ def chat_response(
         prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
         kv_transfer_params=out.kv_transfer_params,
     )
+
+
+def chat_message(
+    mode: tools.OutputMode, text: str, finish_reason: str | None
+) -> tuple[AssistantMessage, str | None]:
+    """One sample's message with its reasoning and calls parsed out, and its finish reason."""
+    whole = tools.ChoiceParser(mode).message(text)
+    fields: dict[str, Any] = {"content": whole.content}
+    if mode.reasoning is not None:
+        fields["reasoning_content"] = fields["reasoning"] = whole.reasoning
+    if mode.tool_parser is not None:
+        fields["tool_calls"] = [
+            ToolCall(id=i, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for i, c in whole.calls
+        ]
+    reason = tools.finish_reason(mode, bool(whole.calls), finish_reason)
+    return AssistantMessage(**fields), reason
+
+
+def delta_message(delta: tools.MessageDelta) -> DeltaMessage:
+    """A stream chunk's delta: only what this step added (unset fields stay out of the chunk)."""
+    fields: dict[str, Any] = {}
+    if delta.reasoning:
+        fields["reasoning_content"] = fields["reasoning"] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.calls:
+        fields["tool_calls"] = [
+            DeltaToolCall(
+                index=c.index,
+                id=c.id,
+                type="function",
+                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+            )
+            if c.id is not None
+            else DeltaToolCall(index=c.index, function=DeltaFunctionCall(arguments=c.arguments))
+            for c in delta.calls
+        ]
+    return DeltaMessage(**fields)
 
 
 def _decode_all(token_ids: Sequence[int], decode: DecodeToken) -> str:

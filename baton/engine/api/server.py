@@ -27,7 +27,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
 from baton.engine.api.metrics import CONTENT_TYPE
+from baton.engine.api.reasoning import reasoning_parser
 from baton.engine.api.serving import EngineServer
+from baton.engine.api.tool_parsers import tool_parser
+from baton.engine.api.tools import ToolConfig
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EngineArgs
 from baton.errors import APIError
@@ -59,6 +62,9 @@ class ServerConfig(ListenConfig):
     # usage.prompt_tokens_details.cached_tokens (vLLM's flag, off by default there; on here, as
     # OpenAI always sends it)
     enable_prompt_tokens_details: bool = True
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (with tool_call_parser)
+    tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
+    reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
     access_log: bool = True
     uvicorn_log_level: str = "info"
 
@@ -68,6 +74,20 @@ class ServerConfig(ListenConfig):
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        self.tool_config()  # an unknown parser name stops the start, naming the known ones
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+    def tool_config(self) -> ToolConfig:
+        return ToolConfig(
+            enable_auto_tool_choice=self.enable_auto_tool_choice,
+            tool_parser=None
+            if self.tool_call_parser is None
+            else tool_parser(self.tool_call_parser),
+            reasoning_parser=(
+                None if self.reasoning_parser is None else reasoning_parser(self.reasoning_parser)
+            ),
+        )
 
 
 # ---- the app -------------------------------------------------------------------------------
@@ -126,6 +146,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         engine_label=config.engine_label,
         trust_request_chat_template=config.trust_request_chat_template,
         prompt_tokens_details=config.enable_prompt_tokens_details,
+        tool_config=config.tool_config(),
     )
     app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
     app.state.server = server

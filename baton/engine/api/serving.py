@@ -25,11 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from pydantic import BaseModel
 
-from baton.engine.api import constraints
+from baton.engine.api import constraints, tools
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
 from baton.engine.api.metrics import EngineMetrics
 from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, collect, merge
+from baton.engine.api.tools import ChoiceParser, ToolConfig
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
@@ -64,7 +65,9 @@ class EngineServer:
         trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
         prompt_tokens_details: bool = True,  # usage says how many prompt tokens were cached
         validator: constraints.ConstraintValidator | None = None,  # None: the grammar compiler
+        tool_config: ToolConfig | None = None,  # tool calling and reasoning parsers
     ) -> None:
+        self.tool_config = tool_config or ToolConfig()
         self.llm = llm
         self.prompt_tokens_details = prompt_tokens_details
         self._validator = validator
@@ -266,22 +269,39 @@ class EngineServer:
     async def _chat_prompt(
         self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
     ) -> list[int]:
+        _, ids = await self._render_chat(messages, add_generation_prompt, template)
+        return ids
+
+    async def _render_chat(
+        self,
+        messages: list[p.ChatMessage],
+        add_generation_prompt: bool,
+        template: str | None,
+        tool_dicts: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,  # the request's chat_template_kwargs
+    ) -> tuple[str, list[int]]:
+        """The rendered prompt's text and token ids."""
         self._check_chat_template(template)
         conversation = [m.to_template() for m in messages]
         size = sum(len(str(m.get("content", ""))) for m in conversation)
+        size += len(str(tool_dicts or "")) + len(str(template_kwargs or ""))
 
-        def render() -> list[int]:
+        def render() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
+                tools=tool_dicts,
+                **(template_kwargs or {}),
             )
-            return self._encode(text, add_special_tokens=False)
+            return text, self._encode(text, add_special_tokens=False)
 
         try:
             # A request's own template (trusted, but its loops are its own) always goes off it.
-            return await self._tokenized(render, size > OFF_LOOP_CHARS or template is not None)
+            if size > OFF_LOOP_CHARS or template is not None:
+                return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
+            return render()
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render
@@ -381,15 +401,28 @@ class EngineServer:
         req.check()
         self._check_model(req.model)
         client_id = header_request_id or req.request_id
-        ids = await self._chat_prompt(req.messages, req.add_generation_prompt, req.chat_template)
+        prompt, ids = await self._render_chat(
+            req.messages,
+            req.add_generation_prompt,
+            req.chat_template,
+            req.template_tools(),
+            req.chat_template_kwargs,
+        )
+        mode = tools.output_mode(req, self.tool_config, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = p.resolve_max_tokens(
             req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
         )
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
-        inputs = [((None, ids), req.to_sampling_params(max_tokens))]
-        await self._finish_params(req, [inputs[0][1]])
+        params = req.to_sampling_params(max_tokens)
+        params.structured_outputs = tools.constraint(
+            req, mode, req.structured_outputs_params(), self._think_end_ids(mode)
+        )
+        await self._finish_params(req, [params])  # checks a forced tool's schema too
+        if mode.tool_parser is not None and mode.tool_parser.needs_special_tokens:
+            params.skip_special_tokens = False  # the parser reads its marker tokens (vLLM)
+        inputs = [((None, ids), params)]
         streams, release = self._open(req, [_internal_id(response_id)], inputs)
         if not req.stream:
             return await self._respond(
@@ -402,6 +435,7 @@ class EngineServer:
                     self.model_name,
                     outs[0],
                     self.decode_token,
+                    mode=mode,
                     prompt_tokens_details=self.prompt_tokens_details,
                 ),
             )
@@ -414,18 +448,32 @@ class EngineServer:
                 )
             )
 
+        parsers = [ChoiceParser(mode) for _ in range(req.n)]
+        texts = [""] * req.n
+        plain = mode.tool_parser is None and mode.reasoning is None
+
         def chunks(_: int, out: RequestOutput) -> Iterator[str]:
             for sample in out.outputs:
                 delta = cursors[sample.index].advance(sample)
                 if delta is None:
                     continue
-                if not (delta.text or delta.finish_reason or req.logprobs or req.return_token_ids):
+                finish = _finish_reason(delta)
+                if plain:
+                    message = r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage()
+                    shown = bool(delta.text)
+                else:
+                    parser = parsers[sample.index]
+                    texts[sample.index] += delta.text
+                    parsed = parser.advance(texts[sample.index], final=finish is not None)
+                    message, shown = r.delta_message(parsed), bool(parsed)
+                    finish = tools.finish_reason(mode, parser.called, finish)
+                if not (shown or finish or req.logprobs or req.return_token_ids):
                     continue  # tokens whose text is held back: nothing to show yet
                 choice: dict[str, Any] = {
                     "index": sample.index,
-                    "delta": r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage(),
+                    "delta": message,
                     "logprobs": None,
-                    "finish_reason": _finish_reason(delta),
+                    "finish_reason": finish,
                     "stop_reason": delta.stop_reason,
                 }
                 if req.logprobs:
@@ -448,6 +496,12 @@ class EngineServer:
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
             head.append(chunk([choice], **self._chunk_usage(req, len(ids), 0), **first))
         return self._stream(streams, release, head, chunks, chunk, req.include_usage())
+
+    def _think_end_ids(self, mode: tools.OutputMode) -> list[int] | None:
+        """`</think>`'s token ids, where the answer may reason (a grammar starts after them)."""
+        if mode.reasoning is None or mode.think_state == "closed":
+            return None
+        return self.tokenizer.encode(mode.reasoning.end, add_special_tokens=False)
 
     # -- both --
 
