@@ -429,3 +429,16 @@ def test_per_request_whitespace_and_closed_objects() -> None:
     assert schema["additionalProperties"] is False
     plain = _constraint(structured_outputs={"json": open_schema})
     assert plain is not None and json.loads(plain.json or "") == open_schema
+
+
+def test_a_tokenizer_the_grammar_library_cannot_read_is_a_400_not_a_500() -> None:
+    """The fake engine's character tokenizer (a Fuse decoder) is one llguidance refuses: every
+    constrained request is a 400 that says so, and unconstrained ones are served."""
+    llm = FakeLLM()
+    app = _app(llm)
+    for _ in range(2):  # the failure is remembered, not retried per request
+        resp = _call(app, "POST", "/v1/completions", json={"prompt": "x", "guided_regex": "a+"})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert "cannot read its tokenizer" in error["message"] and error["param"] == "guided_regex"
+    assert _call(app, "POST", "/v1/completions", json={"prompt": "x"}).status_code == 200
