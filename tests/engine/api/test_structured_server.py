@@ -14,9 +14,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from tests.support.engine_server import NAME, Server, expect_error
+from tests.support.json_schemas import CLOSED_SCHEMAS
 
 pytestmark = pytest.mark.slow  # the shared server process
 
@@ -72,6 +75,25 @@ def test_json_schema_answers_validate(server: Server) -> None:
             text = choice["message"]["content"] if "message" in choice else choice["text"]
             assert choice["finish_reason"] == "stop", text
             jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(schema=CLOSED_SCHEMAS, seed=st.integers(0, 2**16))
+def test_random_schemas_answers_validate(server: Server, schema: dict[str, Any], seed: int) -> None:
+    """Property-based: random nested schemas (objects closed, so every answer can end), sent as
+    OpenAI's response_format through the `openai` client to the random tiny model, whose free
+    output is noise: every answer ends and validates."""
+    client = server.client()
+    rf: Any = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    completion = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "json"}], response_format=rf,
+        max_tokens=400, seed=seed, n=2,
+    )  # fmt: skip
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
 class Pick(BaseModel):

@@ -31,6 +31,7 @@ from baton.engine.structured.backend import (
 from baton.engine.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.structured.walk import allowed_ids, matcher_mask, random_walk
 from tests.engine.tokenizer_folders import smollm2_folder
+from tests.support.json_schemas import SCHEMAS
 
 # Wider than the tiny tokenizer's 512 tokens, as padded embeddings are: ids 512..519 are no token.
 TINY_VOCAB = 520
@@ -386,62 +387,6 @@ def test_good_constraints_validate(compiler: GrammarCompiler) -> None:
 
 
 # -- property-based schemas ---------------------------------------------------------------------
-
-_LEAVES = st.one_of(
-    st.builds(
-        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-        st.integers(-1000, 1000),
-        st.integers(0, 2000),
-    ),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
-    st.sampled_from(
-        [
-            {"type": "string", "pattern": "^[a-z]{1,4}$"},
-            {"type": "string", "pattern": "^[0-9]{3}-[0-9]{2}$"},
-            {"type": "number", "minimum": 0, "maximum": 1},
-        ]
-    ),
-    st.lists(
-        st.one_of(st.integers(-5, 5), st.sampled_from(["x", "y z", 'q"'])),
-        min_size=1,
-        max_size=4,
-        unique=True,
-    ).map(lambda values: {"enum": values}),
-)
-
-_NAMES = st.text(alphabet="abcdefgh_", min_size=1, max_size=5)
-
-
-def _containers(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
-    arrays = st.builds(
-        lambda items, lo, span: {
-            "type": "array",
-            "items": items,
-            "minItems": lo,
-            "maxItems": lo + span,
-        },
-        children,
-        st.integers(0, 2),
-        st.integers(0, 2),
-    )
-    objects = st.dictionaries(_NAMES, children, min_size=1, max_size=3).flatmap(
-        lambda props: st.builds(
-            lambda required, closed: {
-                "type": "object",
-                "properties": props,
-                "required": required,
-                "additionalProperties": not closed,
-            },
-            st.lists(st.sampled_from(sorted(props)), unique=True),
-            st.booleans(),
-        )
-    )
-    return st.one_of(arrays, objects)
-
-
-SCHEMAS = st.recursive(_LEAVES, _containers, max_leaves=6)
 
 
 @settings(
