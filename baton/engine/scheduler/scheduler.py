@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from baton.engine.config import SCHEDULING_POLICIES
 from baton.engine.kv_cache.block_pool import KVCacheBlock
 from baton.engine.kv_cache.manager import KVCacheConfig, KVCacheManager
-from baton.engine.protocol import EngineCoreOutput, EngineStats
+from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import (
     CachedRequestData,
@@ -22,6 +22,7 @@ from baton.engine.scheduler.remote_kv import RemoteKV
 from baton.engine.scheduler.request_queue import make_queue
 from baton.engine.scheduler.structured import GrammarManager
 from baton.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from baton.kv_transfer.params import KVTransferParams
 
 logger = logging.getLogger(__name__)
 
@@ -423,43 +424,18 @@ class Scheduler:
                 continue
             request.append_output_token(token)
             self._check_stop(request, token)
-            new_token_ids = [token]
             logprobs = runner_output.logprobs.get(req_id)
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if self._grammar_done_but_eos_blocked(request):
                 # The token goes out first, then a separate, empty "stop": the output side
                 # takes the last token of a "stop" output for an EOS or stop token and drops
                 # its text, but this one is part of the answer.
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=req_id,
-                        new_token_ids=new_token_ids,
-                        new_logprobs=[logprobs] if logprobs is not None else None,
-                        prompt_logprobs=prompt_logprobs,
-                        num_cached_tokens=request.num_cached_tokens,
-                        queue_time=_queue_time(request) if request.num_output_tokens == 1 else None,
-                    )
-                )
+                outputs.append(_output(request, [token], logprobs, prompt_logprobs))
                 request.status = RequestStatus.FINISHED_STOPPED
-                new_token_ids, logprobs, prompt_logprobs = [], None, None
-            kv_params = None
-            if request.is_finished() and self.remote_kv is not None:
-                kv_params = self.remote_kv.request_finished(request)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req_id,
-                    new_token_ids=new_token_ids,
-                    new_logprobs=[logprobs] if logprobs is not None else None,
-                    prompt_logprobs=prompt_logprobs,
-                    finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason,
-                    num_cached_tokens=request.num_cached_tokens,
-                    queue_time=_queue_time(request)
-                    if request.num_output_tokens == 1 and new_token_ids
-                    else None,
-                    kv_transfer_params=kv_params,
-                )
-            )
+                outputs.append(_output(request, [], None, None, self._kv_params(request)))
+            else:
+                kv_params = self._kv_params(request)
+                outputs.append(_output(request, [token], logprobs, prompt_logprobs, kv_params))
             if request.is_finished():
                 stopped.append(request)
         if stopped:
@@ -478,6 +454,12 @@ class Scheduler:
     def _structured(self) -> GrammarManager:
         assert self.structured is not None, "a constrained request without a grammar manager"
         return self.structured
+
+    def _kv_params(self, request: Request) -> KVTransferParams | None:
+        """A finished request's lease for its decode engine (prefill engines), or None."""
+        if request.is_finished() and self.remote_kv is not None:
+            return self.remote_kv.request_finished(request)
+        return None
 
     def _grammar_done_but_eos_blocked(self, request: Request) -> bool:
         """Whether a running request's grammar is complete while EOS cannot end it.
@@ -581,6 +563,30 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _output(
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: LogprobsEntry | None,
+    prompt_logprobs: list[LogprobsEntry] | None,
+    kv_params: KVTransferParams | None = None,
+) -> EngineCoreOutput:
+    """What one step reports for `request`: its new tokens, and how it ended if it did."""
+    return EngineCoreOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        new_logprobs=[logprobs] if logprobs is not None else None,
+        prompt_logprobs=prompt_logprobs,
+        finish_reason=request.status.finish_reason,
+        stop_reason=request.stop_reason,
+        num_cached_tokens=request.num_cached_tokens,
+        # On the first output token only (the empty "stop" after a whole grammar has none).
+        queue_time=_queue_time(request)
+        if request.num_output_tokens == 1 and new_token_ids
+        else None,
+        kv_transfer_params=kv_params,
+    )
 
 
 def _queue_time(request: Request) -> float | None:
