@@ -35,6 +35,7 @@ class _Parent:
     queue_time: float | None = None
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    error_status: int = 503
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
@@ -116,7 +117,7 @@ class OutputProcessor:
                 if out.kv_transfer_params is not None:
                     parent.kv_transfer_params = out.kv_transfer_params.to_json()
                 if out.error is not None:
-                    parent.error = out.error
+                    parent.error, parent.error_status = out.error, out.error_status
             touched[parent.request_id] = parent
         updates = []
         for parent in touched.values():
@@ -169,4 +170,5 @@ class OutputProcessor:
             queue_time=parent.queue_time,
             kv_transfer_params=parent.kv_transfer_params,
             error=parent.error,
+            error_status=parent.error_status,
         )

@@ -44,3 +44,4 @@ class RequestOutput:
     # A prefill engine's answer: where the decode engine pulls this prompt's KV from.
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None  # the engine ended it (finish_reason "error"): why
+    error_status: int = 503  # the HTTP status of `error`

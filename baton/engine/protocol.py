@@ -105,6 +105,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     # On the last output of a prefill request whose KV is leased to a decode engine.
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None  # with finish_reason "error": the message for the client
+    # The HTTP status the error answers with: 503 for the engine's side (a failed KV load), 400
+    # for what the request itself asked (a grammar too costly to follow, constraints that leave
+    # no token).
+    error_status: int = 503
 
     @property
     def finished(self) -> bool:

@@ -60,7 +60,7 @@ class PromptStream:
         self._timer.on_output(out)
         self.last = out
         if out.error is not None:  # the engine ended it (a failed KV load under policy "fail")
-            raise APIError(503, out.error)
+            raise APIError(out.error_status, out.error)
         return out
 
     async def close(self) -> None:

@@ -479,21 +479,21 @@ class Scheduler:
     def _fail_running(
         self, request: Request, token: int, stopped: list[Request]
     ) -> EngineCoreOutput:
-        """A constrained request sampled a token its own mask forbade: an engine bug, logged;
-        the request ends with an error rather than with an answer that breaks its grammar."""
-        logger.error(
-            "request %s sampled token %d, which its grammar rejects; ending it",
-            request.request_id,
-            token,
-        )
+        """A constrained request's grammar refused its sampled token, or gave up (it cost
+        more than the engine allows per token): the request ends with the grammar's reason, a
+        400 (what the request asked cannot be followed), rather than with an answer that breaks
+        its grammar."""
+        why = self._structured.error(request.request_id) or "the grammar refused the token"
+        logger.warning("request %s (token %d): %s", request.request_id, token, why)
         request.status = RequestStatus.FINISHED_ERROR
-        request.error = "internal error: the sampled token breaks the request's grammar"
+        request.error = f"structured outputs: {why}"
         stopped.append(request)
         return EngineCoreOutput(
             request.request_id,
             [],
             finish_reason="error",
             error=request.error,
+            error_status=400,
             num_cached_tokens=request.num_cached_tokens,
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ logger = logging.getLogger(__name__)
 # it saves: bench/grammar_backends.py measured the two even at 8 rows on 2 CPUs, the parallel
 # fill 20% faster at 32.
 PARALLEL_FILL_MIN_ROWS = 8
+# A request's grammar may cost this much per token's mask (realistic schemas take 5-700 us on a
+# 49k vocabulary, p99): one that takes more, MASK_STRIKES times, is ended with an error, since
+# the mask is made on the busy loop and would stall every other request's tokens. A client can
+# send an ambiguous grammar that compiles in a millisecond and then takes 50-250 ms a token.
+MASK_BUDGET_S = 0.02
+MASK_STRIKES = 3
 
 
 @dataclass
@@ -40,6 +47,8 @@ class _Request:
     # holds the last output tokens while it waits for them.
     active: bool
     tail: list[int] = field(default_factory=list)
+    strikes: int = 0  # masks that took longer than MASK_BUDGET_S
+    failure: str | None = None  # why the grammar gave up after it compiled
 
 
 class StructuredOutputManager:
@@ -74,7 +83,9 @@ class StructuredOutputManager:
         if req is None or not req.matcher.done():
             return None
         e = req.matcher.exception()
-        return None if e is None else str(e) or type(e).__name__
+        if e is not None:
+            return str(e) or type(e).__name__
+        return req.failure
 
     def bitmask(self, request_ids: Sequence[str]) -> np.ndarray | None:
         """The batch's next-token bitmask: int32 `[len(request_ids), ceil(vocab_size / 32)]`,
@@ -90,13 +101,17 @@ class StructuredOutputManager:
         if not rows:
             return None
         full = llg_numpy.allocate_token_bitmask(len(request_ids), self._ll_words * 32)
+        start = time.perf_counter()
         if len(rows) >= PARALLEL_FILL_MIN_ROWS:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(min(8, os.cpu_count() or 1))
             llg_numpy.fill_next_token_bitmask_par(self._executor, rows, full)
-        else:
+        if len(rows) < PARALLEL_FILL_MIN_ROWS or time.perf_counter() - start > MASK_BUDGET_S:
+            # One by one, timed: a batch over the budget is filled again to find who is slow.
             for matcher, i in rows:
+                start = time.perf_counter()
                 llg_numpy.fill_next_token_bitmask(matcher, full, i)
+                self._charge(request_ids[i], time.perf_counter() - start)
         mask = (
             full if self._ll_words == self._words else np.ascontiguousarray(full[:, : self._words])
         )
@@ -106,6 +121,18 @@ class StructuredOutputManager:
             keep = np.int32(np.uint32((1 << tail_bits) - 1).view(np.int32))
             mask[[i for _, i in rows], -1] &= keep
         return mask
+
+    def _charge(self, request_id: str, seconds: float) -> None:
+        req = self._requests[request_id]
+        if seconds <= MASK_BUDGET_S:
+            return
+        req.strikes += 1
+        if req.strikes >= MASK_STRIKES and req.failure is None:
+            req.failure = (
+                f"the grammar takes {seconds * 1e3:.0f} ms a token to follow, more than the "
+                f"{MASK_BUDGET_S * 1e3:.0f} ms the engine allows (it would stall every other "
+                "request); simplify it (an ambiguous grammar is the usual cause)"
+            )
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advances the request's matcher by one sampled token; False when the grammar rejects
@@ -119,15 +146,25 @@ class StructuredOutputManager:
             req.tail = [*req.tail, token_id][-len(after) :]
             req.active = tuple(req.tail) == after
             return True
-        if req.matcher.exception() is not None:
-            return False
+        if req.matcher.exception() is not None or req.strikes >= MASK_STRIKES:
+            return False  # did not compile, or gave up: too costly to follow
         matcher = req.matcher.result()
         if matcher.is_stopped() and not matcher.is_error():
             # Complete: the EOS that ends the request is all that may come.
-            return token_id in self.compiler.eos_token_ids
-        ok = bool(matcher.consume_token(token_id))
+            ok = token_id in self.compiler.eos_token_ids
+        else:
+            ok = bool(matcher.consume_token(token_id))
         if not ok:
-            logger.debug("request %s: grammar rejected token %d", request_id, token_id)
+            # The mask allowed nothing the sampler could take (the request's allowed_token_ids,
+            # bad_words or logit_bias left its grammar no token), or llguidance gave up.
+            req.failure = (
+                f"token {token_id} breaks the grammar: the request's allowed_token_ids, "
+                "bad_words or logit_bias leave the grammar no token it may take"
+            )
+            if matcher.is_error():  # llguidance's own word, the last line of its report
+                lines = [x for x in matcher.get_error().splitlines() if x.startswith("Error:")]
+                if lines:
+                    req.failure += f" ({lines[-1][:200]})"
         return ok
 
     def is_terminated(self, request_id: str) -> bool:

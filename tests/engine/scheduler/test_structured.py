@@ -127,15 +127,15 @@ def test_a_step_with_only_free_requests_has_no_mask() -> None:
 
 
 def test_a_rejected_token_ends_the_request_with_an_error(caplog: pytest.LogCaptureFixture) -> None:
-    """A token the mask forbade (an engine bug) is not appended: the request ends with an error,
-    logged."""
+    """A token the grammar refused (constraints that left it no token, or one too costly) is
+    not appended: the request ends with an error, a 400 (the request's doing), logged."""
     sched, fake = _setup()
     sched.add_request(_constrained("a"))
     out = sched.schedule()
     outputs = sched.update_from_output(out, ModelRunnerOutput({"a": 50}))
     assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([], "error")]
-    assert "grammar" in (outputs[0].error or "")
-    assert any("grammar rejects" in r.getMessage() for r in caplog.records)
+    assert "grammar" in (outputs[0].error or "") and outputs[0].error_status == 400
+    assert any("grammar" in r.getMessage() for r in caplog.records)
     assert "a" not in sched.requests and fake.removed == ["a"]
 
 

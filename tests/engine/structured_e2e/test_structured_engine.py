@@ -144,6 +144,39 @@ def test_length_cut_min_tokens_and_a_bad_grammar(tiny_model) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_a_grammar_too_costly_or_left_no_token_ends_with_a_400(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar whose masks cost more than the engine's per-token budget (the budget set to
+    nothing here, so any grammar does; a client's ambiguous grammar really costs 50-250 ms a
+    token on a 49k vocabulary) ends after MASK_STRIKES masks with an error, a 400, saying why,
+    while a free request beside it finishes; so does one whose allowed_token_ids leave its
+    grammar no token. Neither is reported as an engine fault."""
+    from baton.engine.structured import manager
+
+    llm = LLM(str(tiny_model("llama")), max_model_len=128)
+    free, costly, boxed = _prompts(3, seed=5)
+    regex = StructuredOutputsParams(regex="[a-z]{40}")
+    none_left = SamplingParams(
+        max_tokens=10, allowed_token_ids=[100], structured_outputs=StructuredOutputsParams(
+            choice=("alpha",)
+        )
+    )  # fmt: skip
+    (out_boxed,) = llm.generate([boxed], none_left)
+    assert out_boxed.outputs[0].finish_reason == "error" and out_boxed.error_status == 400
+    assert "allowed_token_ids" in (out_boxed.error or "")
+    monkeypatch.setattr(manager, "MASK_BUDGET_S", 0.0)
+    out_free, out_costly = llm.generate(
+        [free, costly], [FREE, SamplingParams(max_tokens=30, structured_outputs=regex)]
+    )
+    assert out_free.outputs[0].finish_reason == "length"
+    assert out_costly.outputs[0].finish_reason == "error" and out_costly.error_status == 400
+    assert "ms a token" in (out_costly.error or "")
+    assert len(out_costly.outputs[0].token_ids) <= manager.MASK_STRIKES
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.scheduler.structured._requests  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_masks_every_rank_alike(tiny_model) -> None:
     """With tensor_parallel_size 2 every rank gets the same mask: the answers are valid and
