@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,9 @@ from baton.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCor
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
-from baton.engine.scheduler.structured import GrammarManager
+
+if TYPE_CHECKING:
+    from baton.engine.structured.manager import StructuredOutputManager
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
 from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
 from baton.kv_transfer.connector import PullConnector
@@ -197,20 +200,17 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_core_request(request, self.model_config.eos_token_ids)
         if req.use_structured_output and self.scheduler.structured is None:
-            try:
-                self.scheduler.structured = self._structured_output_manager()
-            except Exception as e:  # e.g. no tokenizer in the model folder: this request fails
-                logger.exception("structured outputs are unavailable")
-                self.scheduler.reject_request(
-                    req, f"structured outputs are unavailable: {type(e).__name__}: {e}"
-                )
-                return
+            # Started by the first constrained request, so that an engine never asked for a
+            # grammar loads no tokenizer and indexes no vocabulary; built on a thread while
+            # that request waits in the scheduler, as it would for its grammar.
+            from baton.engine.structured.manager import DeferredManager
+
+            self.scheduler.structured = DeferredManager(self._structured_output_manager)
         self.scheduler.add_request(req)
 
-    def _structured_output_manager(self) -> GrammarManager:
-        """Built on the first constrained request, so that an engine never asked for a grammar
-        loads no tokenizer and builds no token trie; that first request pays for both (the
-        tokenizer load and llguidance's per-vocabulary set-up, tens to hundreds of ms)."""
+    def _structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar backend over the engine's tokenizer (the tokenizer load and llguidance's
+        per-vocabulary set-up: hundreds of ms)."""
         from baton.engine.structured.backend import GrammarCompiler
         from baton.engine.structured.manager import StructuredOutputManager
         from baton.engine.tokenizer import load_tokenizer

@@ -85,6 +85,10 @@ def prefill_body(route: str, body: dict[str, Any]) -> dict[str, Any]:
     out.pop("stream_options", None)
     if out.get("min_tokens"):
         out["min_tokens"] = 0  # min_tokens > max_tokens would be a 400
+    if out.get("tools"):
+        # The tools still render into the prompt (whatever the choice), but no forced call's
+        # grammar is compiled, and "auto" needs no tool parser on the prefill engine.
+        out["tool_choice"] = "none"
     return out
 
 

@@ -48,6 +48,11 @@ def test_the_prefill_body_drops_only_the_constraints() -> None:
     assert step1["chat_template_kwargs"] == KEPT["chat_template_kwargs"]
     assert step1["tool_choice"] == "none"
     assert all(k in chat for k in CONSTRAINTS)  # the original is left as it was
+    # A forced call or "auto" is the decode engine's business: step 1 compiles no tool grammar
+    # and needs no tool parser, and the tools still render into the same prompt.
+    for choice in ("required", "auto", {"type": "function", "function": {"name": "f"}}):
+        step1 = prefill_body("/v1/chat/completions", {**chat, "tool_choice": choice})
+        assert step1["tool_choice"] == "none" and step1["tools"] == KEPT["tools"]
 
 
 def test_which_requests_want_prompt_logprobs() -> None:

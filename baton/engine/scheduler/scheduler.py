@@ -96,14 +96,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def reject_request(self, request: Request, error: str) -> None:
-        """Ends a request that never entered the scheduler with an error the client sees (an
-        engine that cannot build its grammar backend): nothing may wait for it forever."""
-        logger.warning("request %s failed: %s", request.request_id, error)
-        self._outputs.append(
-            EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
-        )
-
     def take_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests ended outside `update_from_output`, once."""
         outputs, self._outputs = self._outputs, []

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -187,3 +188,73 @@ class StructuredOutputManager:
         if req is None or not req.active or req.matcher.exception() is not None:
             return None
         return req.matcher.result()
+
+
+class DeferredManager:
+    """A `StructuredOutputManager` built on a thread of its own: loading the tokenizer and
+    indexing its vocabulary takes 0.3 s and more (49k tokens; 128k+ vocabularies longer), which
+    the engine's first constrained request would otherwise spend on the busy loop, stalling
+    every stream. Until it is built its requests wait (`is_ready` False), as for a compile; if it
+    fails, every constrained request ends with the reason (`error`), and it is not retried."""
+
+    def __init__(self, build: Callable[[], StructuredOutputManager]) -> None:
+        self._built: Future[StructuredOutputManager] = Future()
+        self._pending: dict[str, StructuredOutputsParams] = {}
+        threading.Thread(
+            target=self._build, args=(build,), name="grammar-setup", daemon=True
+        ).start()
+
+    def _build(self, build: Callable[[], StructuredOutputManager]) -> None:
+        try:
+            self._built.set_result(build())
+        except BaseException as e:
+            logger.exception("structured outputs are unavailable")
+            self._built.set_exception(e)
+
+    def _manager(self) -> StructuredOutputManager | None:
+        if not self._built.done() or self._built.exception() is not None:
+            return None
+        manager = self._built.result()
+        for request_id, params in self._pending.items():
+            manager.add_request(request_id, params)
+        self._pending.clear()
+        return manager
+
+    def _get(self) -> StructuredOutputManager:
+        manager = self._manager()
+        assert manager is not None, "a constrained request ran before its grammar was ready"
+        return manager
+
+    def add_request(self, request_id: str, params: StructuredOutputsParams) -> None:
+        manager = self._manager()
+        if manager is None:
+            self._pending[request_id] = params
+        else:
+            manager.add_request(request_id, params)
+
+    def is_ready(self, request_id: str) -> bool:
+        if not self._built.done():
+            return False
+        manager = self._manager()
+        return manager is None or manager.is_ready(request_id)
+
+    def error(self, request_id: str) -> str | None:
+        if self._built.done() and (e := self._built.exception()) is not None:
+            return f"structured outputs are unavailable: {type(e).__name__}: {e}"
+        manager = self._manager()
+        return manager.error(request_id) if manager is not None else None
+
+    def bitmask(self, request_ids: Sequence[str]) -> np.ndarray | None:
+        return self._get().bitmask(request_ids)
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        return self._get().accept(request_id, token_id)
+
+    def is_terminated(self, request_id: str) -> bool:
+        return self._get().is_terminated(request_id)
+
+    def remove(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        manager = self._manager()
+        if manager is not None:
+            manager.remove(request_id)

@@ -230,17 +230,6 @@ def test_a_scheduler_without_a_grammar_backend_refuses_constrained_requests() ->
     assert not sched.has_unfinished_requests()
 
 
-def test_a_rejected_request_still_gets_its_error_output() -> None:
-    """reject_request (the engine could not build its grammar backend) leaves an output the
-    next step hands out, and keeps the loop stepping until then."""
-    sched = make_scheduler()
-    sched.reject_request(_constrained("a"), "no tokenizer")
-    assert sched.has_unfinished_requests()
-    (output,) = sched.take_outputs()
-    assert (output.request_id, output.finish_reason, output.error) == ("a", "error", "no tokenizer")
-    assert not sched.has_unfinished_requests()
-
-
 def test_a_pulled_decode_request_samples_its_first_token_under_the_mask() -> None:
     """P/D: a constrained decode request whose prompt KV is pulled waits for its grammar, then
     for its pull, then computes its last prompt token and samples it under the mask."""

@@ -120,6 +120,25 @@ def test_no_grammar_backend_until_a_constrained_request(tiny_model) -> None:
     assert llm.engine.scheduler.structured is not None
 
 
+def test_a_grammar_backend_that_cannot_be_built_fails_constrained_requests_only(
+    tiny_model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend is built on a thread (the busy loop never waits for the tokenizer load); if
+    that fails, each constrained request ends with the reason, once tried, and free ones run."""
+    llm = LLM(str(tiny_model("llama")), max_model_len=128)
+
+    def broken() -> None:
+        raise FileNotFoundError("no tokenizer.json")
+
+    monkeypatch.setattr(llm.engine, "_structured_output_manager", broken)
+    free, a, b = llm.generate(_prompts(3, seed=6), [FREE, *_constrained_params()[2:3] * 2])
+    assert free.outputs[0].finish_reason == "length"
+    for out in (a, b):
+        assert out.outputs[0].finish_reason == "error"
+        assert "unavailable" in (out.error or "") and "no tokenizer.json" in (out.error or "")
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_length_cut_min_tokens_and_a_bad_grammar(tiny_model) -> None:
     """max_tokens cuts a constrained answer with "length"; a grammar complete before
     min_tokens ends with "stop" (nothing but EOS could follow, and EOS is blocked); a grammar
@@ -174,7 +193,7 @@ def test_a_grammar_too_costly_or_left_no_token_ends_with_a_400(
     assert "ms a token" in (out_costly.error or "")
     assert len(out_costly.outputs[0].token_ids) <= manager.MASK_STRIKES
     assert not llm.engine.has_unfinished_requests()
-    assert not llm.engine.scheduler.structured._requests  # type: ignore[attr-defined]
+    assert not llm.engine.scheduler.structured._get()._requests  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
