@@ -305,7 +305,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last_token_idx])
         sampled = [scheduled[r] for r in sample_rows]
         metadata = self._sampling_metadata(sampled)
-        metadata.token_bitmask = self._token_bitmask(out, sampled)
+        metadata.token_bitmask, metadata.token_bitmask_rows = self._token_bitmask(out, sampled)
         result = self.sampler(logits, metadata)
         prompt_logprobs = {}
         for state in sampled:
@@ -326,18 +326,21 @@ class ModelRunner:
 
     def _token_bitmask(
         self, out: SchedulerOutput, sampled: list[CachedRequestState]
-    ) -> torch.Tensor | None:
-        """The grammar's mask in this step's sample-row order: the scheduler's rows follow its
-        own list of constrained requests; the rows of unconstrained requests allow everything."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The grammar's mask in this step's sample-row order, and the rows it constrains: the
+        scheduler's rows follow its own list of constrained requests; the rows of
+        unconstrained requests allow everything (and are left alone by the sampler)."""
         if out.grammar_bitmask is None:
-            return None
+            return None, None
         rows = {req_id: i for i, req_id in enumerate(out.structured_output_request_ids)}
         mask = np.full((len(sampled), out.grammar_bitmask.shape[1]), -1, dtype=np.int32)
+        constrained = []
         for i, state in enumerate(sampled):
             row = rows.get(state.req_id)
             if row is not None:
                 mask[i] = out.grammar_bitmask[row]
-        return self._to_device(mask)
+                constrained.append(i)
+        return self._to_device(mask), self._to_device(np.asarray(constrained, dtype=np.int64))
 
     def _compute_prompt_logprobs(
         self, state: CachedRequestState, hidden: torch.Tensor, offset: int

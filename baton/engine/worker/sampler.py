@@ -61,6 +61,9 @@ class SamplingMetadata:
     # [B, ceil(V/32)] int32, bit t of row i set = token t allowed (the grammar's mask); a row
     # with no constraint is all ones. None when no row is constrained.
     token_bitmask: torch.Tensor | None = None
+    # [R] int64: the rows `token_bitmask` constrains (only they are unpacked, 32 ints a word:
+    # on 256 rows of a 152k vocabulary all rows cost ~185 ms on a CPU); None: every row.
+    token_bitmask_rows: torch.Tensor | None = None
     # Rows restricted to `allowed_token_ids`: ([R] int64 rows, [R, V] bool, True = allowed).
     # None when no row restricts.
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -106,7 +109,12 @@ class Sampler:
         k = metadata.max_num_logprobs
         if metadata.token_bitmask is not None:
             # Out of place: the caller's logits stay untouched, and this is the float32 copy.
-            logits = apply_token_bitmask(logits.to(torch.float32), metadata.token_bitmask)
+            logits = logits.to(torch.float32, copy=True)
+            rows = metadata.token_bitmask_rows
+            if rows is None:
+                logits = apply_token_bitmask(logits, metadata.token_bitmask)
+            else:
+                logits[rows] = apply_token_bitmask(logits[rows], metadata.token_bitmask[rows])
         # all_greedy promises no processors, but checking costs nothing and stays correct.
         if metadata.all_greedy and k is None and not metadata.has_processors:
             return SamplerOutput(logits.argmax(dim=-1), None, None, None)

@@ -461,6 +461,22 @@ def test_token_bitmask_restricts_every_path(all_greedy: bool) -> None:
             assert token == max(allowed[row], key=lambda t: float(logits[row, t]))
 
 
+def test_token_bitmask_rows_unpack_only_the_constrained_rows() -> None:
+    """With `token_bitmask_rows`, only those rows are masked (the others' words are not even
+    read: here they say "nothing allowed", which would be wrong for them), and the caller's
+    logits stay as they were."""
+    vocab, batch = 70, 4
+    logits = clear_winner_logits(batch, vocab, seed=7)
+    before = logits.clone()
+    mask = _bitmask([[], [5], [], [64, 66]], vocab)
+    meta = make_metadata(batch, temperature=torch.zeros(batch), token_bitmask=mask)
+    meta.token_bitmask_rows = torch.tensor([1, 3])
+    out = Sampler()(logits, meta).sampled_token_ids.tolist()
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+    assert out[1] == 5 and out[3] in (64, 66)
+    assert torch.equal(logits, before)
+
+
 def test_token_bitmask_all_ones_changes_nothing_and_logprobs_see_it() -> None:
     """An all-ones row samples as without a mask; a masked token's logprob is -inf, since vLLM
     applies the bitmask before the sampler takes its raw logprobs."""
