@@ -28,6 +28,7 @@ from baton.engine.api.tool_parsers import (
     ToolParser,
 )
 from baton.engine.sampling_params import StructuredOutputsParams
+from baton.engine.structured.backend import strict_json_schema
 from baton.errors import APIError
 
 AUTO_TOOLS_MESSAGE = (
@@ -41,9 +42,13 @@ def tool_call_id() -> str:
 
 
 def _parameters(req: ChatCompletionRequest, name: str) -> dict[str, Any]:
+    """A tool's parameter schema as a forced call's grammar takes it: objects that say nothing
+    of other properties allow none (where vLLM leaves them open). A call's arguments are the
+    function's; keys it does not declare are no use to it, and a free key lets a weak model
+    write names and values until max_tokens, so that no call ever completes."""
     for tool in req.tools or []:
         if tool.function.name == name:
-            return tool.function.parameters or _EMPTY_PARAMETERS
+            return strict_json_schema(tool.function.parameters or _EMPTY_PARAMETERS)
     raise AssertionError(name)  # check() made sure the name is a tool
 
 
@@ -58,7 +63,7 @@ def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
     defs: dict[str, Any] = {}
     items = []
     for tool in req.tools or []:
-        parameters = dict(tool.function.parameters or _EMPTY_PARAMETERS)
+        parameters = _parameters(req, tool.function.name)
         # A tool's `#/$defs/...` refs resolve from the root once its schema is nested in the
         # list's: its definitions move there (as vLLM does), and two tools may not disagree.
         for name, definition in parameters.pop("$defs", {}).items():

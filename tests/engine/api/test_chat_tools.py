@@ -19,6 +19,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import child_requests
 from baton.engine.protocol import EngineCoreOutput
 from baton.engine.sampling_params import SamplingParams
+from baton.engine.structured.backend import strict_json_schema
 from baton.engine.tokenizer import Tokenizer
 from tests.engine.api.test_protocol import FakeLLM, _call, _error, _events, char_tokenizer
 
@@ -191,7 +192,8 @@ def test_required_is_a_list_of_calls_grammar() -> None:
     assert schema["type"] == "array" and schema["minItems"] == 1 and "maxItems" not in schema
     items = schema["items"]["anyOf"]
     assert [i["properties"]["name"]["enum"] for i in items] == [["get_weather"], ["get_time"]]
-    assert items[0]["properties"]["parameters"] == WEATHER_SCHEMA
+    # the tool's objects closed: a forced call writes only the keys the function declares
+    assert items[0]["properties"]["parameters"] == strict_json_schema(WEATHER_SCHEMA)
     assert c.after_token_ids is None
     _chat(app, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
     assert json.loads(_constraint(llm).json)["maxItems"] == 1
@@ -202,7 +204,7 @@ def test_named_is_its_parameters_and_wins_over_response_format() -> None:
     app = _app(llm, reasoning_parser=None)
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert _chat(app, tools=TOOLS, tool_choice=named).status_code == 200
-    assert json.loads(_constraint(llm).json) == WEATHER_SCHEMA
+    assert json.loads(_constraint(llm).json) == strict_json_schema(WEATHER_SCHEMA)
     _chat(app, tools=TOOLS, tool_choice="none")
     assert _constraint(llm) is None
     _chat(app, tools=TOOLS)  # auto: the parser reads the answer, nothing constrains it
@@ -423,7 +425,7 @@ def test_required_moves_each_tools_defs_to_the_root() -> None:
     llm = AnswerLLM("x")
     _chat(_app(llm, reasoning_parser=None), tools=[with_defs], tool_choice="required")
     schema = json.loads(_constraint(llm).json)
-    assert schema["$defs"] == {"Point": point}
+    assert schema["$defs"] == {"Point": strict_json_schema(point)}
     assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
     other = {"type": "function", "function": json.loads(json.dumps(with_defs["function"]))}
     other["function"]["name"] = "plot2"
