@@ -3,7 +3,7 @@ n samples of one prompt. Runs beside the client, never in the busy loop."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from baton.engine.detokenizer import IncrementalDetokenizer
@@ -16,7 +16,6 @@ from baton.engine.tokenizer import Tokenizer
 @dataclass
 class _Sample:
     index: int
-    params: SamplingParams
     detok: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None
     cumulative_logprob: float | None
@@ -26,16 +25,10 @@ class _Sample:
 
 @dataclass
 class _Parent:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    # The request's fields as its next snapshot carries them, except `outputs` and `finished`,
+    # which `_make_output` fills in from the samples.
+    output: RequestOutput
     samples: dict[str, _Sample] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    num_cached_tokens: int = 0
-    queue_time: float | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
-    error_status: int = 503
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples.values())
@@ -55,7 +48,7 @@ class OutputProcessor:
         child_ids: list[str],
         params: SamplingParams,
     ) -> None:
-        parent = _Parent(request_id, prompt, prompt_token_ids)
+        parent = _Parent(RequestOutput(request_id, prompt, prompt_token_ids))
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
                 self.tokenizer,
@@ -67,7 +60,7 @@ class OutputProcessor:
             )
             want_logprobs = params.logprobs is not None
             parent.samples[child_id] = _Sample(
-                index, params, detok, [] if want_logprobs else None, 0.0 if want_logprobs else None
+                index, detok, [] if want_logprobs else None, 0.0 if want_logprobs else None
             )
             self._child_to_parent[child_id] = parent
         self._parents[request_id] = parent
@@ -88,14 +81,15 @@ class OutputProcessor:
             if parent is None:
                 continue
             sample = parent.samples[out.request_id]
-            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-            if out.queue_time is not None and parent.queue_time is None:
-                parent.queue_time = out.queue_time
-            if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            req = parent.output
+            req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None and req.queue_time is None:
+                req.queue_time = out.queue_time
+            if out.prompt_logprobs is not None and req.prompt_logprobs is None:
                 # The request's first output carries them (n > 1: any child's, all equal).
                 # Nothing predicts the first prompt token, so its entry is None, as in vLLM.
                 entries = out.prompt_logprobs
-                parent.prompt_logprobs = [None, *(self._logprob_dict(e) for e in entries)]
+                req.prompt_logprobs = [None, *(self._logprob_dict(e) for e in entries)]
             if out.new_logprobs and sample.logprobs is not None:
                 for entry in out.new_logprobs:
                     sample.logprobs.append(self._logprob_dict(entry))
@@ -106,24 +100,23 @@ class OutputProcessor:
             stop = sample.detok.update(
                 out.new_token_ids, stop_terminated=out.finish_reason == "stop"
             )
-            if stop is not None and out.finish_reason is None:
+            if stop is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop
-                to_abort.append(out.request_id)
-            elif stop is not None:
-                sample.finish_reason, sample.stop_reason = "stop", stop
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
             elif out.finish_reason is not None:
                 sample.detok.flush()
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
                 if out.kv_transfer_params is not None:
-                    parent.kv_transfer_params = out.kv_transfer_params.to_json()
+                    req.kv_transfer_params = out.kv_transfer_params.to_json()
                 if out.error is not None:
-                    parent.error, parent.error_status = out.error, out.error_status
-            touched[parent.request_id] = parent
+                    req.error, req.error_status = out.error, out.error_status
+            touched[req.request_id] = parent
         updates = []
         for parent in touched.values():
             updates.append(self._make_output(parent))
             if parent.finished():
-                del self._parents[parent.request_id]
+                del self._parents[parent.output.request_id]
                 for child_id in parent.samples:
                     del self._child_to_parent[child_id]
         return updates, to_abort
@@ -159,16 +152,4 @@ class OutputProcessor:
             )
             for s in sorted(parent.samples.values(), key=lambda s: s.index)
         ]
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=outputs,
-            prompt_logprobs=parent.prompt_logprobs,
-            finished=parent.finished(),
-            num_cached_tokens=parent.num_cached_tokens,
-            queue_time=parent.queue_time,
-            kv_transfer_params=parent.kv_transfer_params,
-            error=parent.error,
-            error_status=parent.error_status,
-        )
+        return replace(parent.output, outputs=outputs, finished=parent.finished())

@@ -75,12 +75,10 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 
 def validate_constraint(
-    validator: ConstraintValidator | None, params: StructuredOutputsParams, param: str
+    validator: ConstraintValidator, params: StructuredOutputsParams, param: str
 ) -> None:
     """The grammar compiler's verdict on `params` as a 400 naming `param` (the request field
     the constraint came from)."""
-    if validator is None:
-        return
     try:
         validator.validate(params)
     except ValueError as e:

@@ -17,9 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-THINK_START = "<think>"
-THINK_END = "</think>"
-
 # open: the answer starts inside the reasoning; closed: it has none; auto: the model decides.
 ThinkState = Literal["open", "closed", "auto"]
 
@@ -43,8 +40,8 @@ class ReasoningParser:
     """`<think>...</think>` reasoning; subclasses say what an answer without tags means."""
 
     name = ""
-    start = THINK_START
-    end = THINK_END
+    start = "<think>"
+    end = "</think>"
 
     def state_after(self, prompt: str) -> ThinkState:
         """Whether the rendered prompt left the answer inside, after or before the reasoning."""

@@ -439,11 +439,8 @@ def completion_response(
     choices = []
     echo_only = request.echo_only()
     for i, out in enumerate(outputs):
-        prefix = ""
-        if request.echo:
-            prefix = (
-                out.prompt if out.prompt is not None else _decode_all(out.prompt_token_ids, decode)
-            )
+        # The server gives an echoed prompt its text (token ids decoded), as the stream reads it.
+        prefix = (out.prompt or "") if request.echo else ""
         shown_prompt_logprobs = prompt_logprobs_of(out, decode)
         for sample in out.outputs:
             logprobs = None
@@ -561,7 +558,3 @@ def delta_message(delta: tools.MessageDelta) -> DeltaMessage:
             for c in delta.calls
         ]
     return DeltaMessage(**fields)
-
-
-def _decode_all(token_ids: Sequence[int], decode: DecodeToken) -> str:
-    return "".join(decode(t) for t in token_ids)

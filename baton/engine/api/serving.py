@@ -65,13 +65,12 @@ class EngineServer:
         engine_label: str,  # the `engine` label of every metric
         trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
         prompt_tokens_details: bool = True,  # usage says how many prompt tokens were cached
-        validator: constraints.ConstraintValidator | None = None,  # None: the grammar compiler
         tool_config: ToolConfig | None = None,  # tool calling and reasoning parsers
     ) -> None:
         self.tool_config = tool_config or ToolConfig()
         self.llm = llm
         self.prompt_tokens_details = prompt_tokens_details
-        self._validator = validator
+        self._validator: constraints.ConstraintValidator | None = None  # made on first use
         self._validator_error: str | None = None
         self._validator_lock = threading.Lock()
         self.max_waiting_requests = max_waiting_requests
@@ -139,16 +138,13 @@ class EngineServer:
         the structured-output constraint the params carry (the request's own, or the chat
         path's forced tool call) checked by the grammar compiler once, off the loop (a large
         schema takes a while); each a 400 naming its field. The same for every prompt."""
-        bad_words = []
-        if req.bad_words:
-            bad_words = constraints.bad_words_token_ids(
-                req.bad_words, lambda text: self._encode(text, add_special_tokens=False)
-            )
+        bad_words = constraints.bad_words_token_ids(
+            req.bad_words, lambda text: self._encode(text, add_special_tokens=False)
+        )
         for sp in params:
             sp.bad_words_token_ids = [list(w) for w in bad_words]
-        if params:
-            constraints.check_token_ids(params[0], self.llm.vocab_size)
-        constraint = params[0].structured_outputs if params else None
+        constraints.check_token_ids(params[0], self.llm.vocab_size)  # a request has a prompt
+        constraint = params[0].structured_outputs
         if constraint is None:
             return
         own = req.structured_outputs_params()
@@ -247,11 +243,6 @@ class EngineServer:
         )
         return list(encoding.ids)
 
-    async def _tokenized(self, work: Callable[[], list[int]], off_loop: bool) -> list[int]:
-        if not off_loop:
-            return work()
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work)
-
     async def _tokenize_prompt(
         self, prompt: str | list[int], add_special_tokens: bool
     ) -> tuple[str | None, list[int]]:
@@ -259,10 +250,12 @@ class EngineServer:
         if not isinstance(prompt, str):
             return None, prompt
 
-        def encode() -> list[int]:
-            return self._encode(prompt, add_special_tokens)
-
-        return prompt, await self._tokenized(encode, len(prompt) > OFF_LOOP_CHARS)
+        if len(prompt) <= OFF_LOOP_CHARS:
+            return prompt, self._encode(prompt, add_special_tokens)
+        loop = asyncio.get_running_loop()
+        return prompt, await loop.run_in_executor(
+            self._tokenize_pool, self._encode, prompt, add_special_tokens
+        )
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         try:
@@ -280,12 +273,6 @@ class EngineServer:
                 "--trust-request-chat-template",
                 "chat_template",
             )
-
-    async def _chat_prompt(
-        self, messages: list[p.ChatMessage], add_generation_prompt: bool, template: str | None
-    ) -> list[int]:
-        _, ids = await self._render_chat(messages, add_generation_prompt, template)
-        return ids
 
     async def _render_chat(
         self,
@@ -605,7 +592,7 @@ class EngineServer:
         req.check()
         self._check_model(req.model)
         if req.messages is not None:
-            ids = await self._chat_prompt(req.messages, req.add_generation_prompt, None)
+            _, ids = await self._render_chat(req.messages, req.add_generation_prompt, None)
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             _, ids = await self._tokenize_prompt(req.prompt or "", add_special)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from baton.engine.api.protocol import ChatCompletionRequest, NamedToolChoice
@@ -141,15 +141,7 @@ def constraint(
         params = StructuredOutputsParams(json=json.dumps(schema))
     if params is None or mode.think_state == "closed" or not think_end_ids:
         return params
-    return StructuredOutputsParams(
-        json=params.json,
-        json_object=params.json_object,
-        regex=params.regex,
-        choice=params.choice,
-        grammar=params.grammar,
-        structural_tag=params.structural_tag,
-        after_token_ids=tuple(think_end_ids),
-    )
+    return replace(params, after_token_ids=tuple(think_end_ids))
 
 
 # ---- the answer ----------------------------------------------------------------------------
