@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 SECRET_ENV = "BATON_KV_SECRET"
 TAG_BYTES = 32  # HMAC-SHA256
-NONCE_BYTES = 16
 KEY_ID_CHARS = 8
 _MIN_SECRET_CHARS = 16
 _RELOAD_EVERY_S = 1.0  # how often a file-backed ring looks at the file's change time

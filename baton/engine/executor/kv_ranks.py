@@ -155,17 +155,18 @@ class RankedKVWorker:
                     self._received.append(msg)
                     self._acked[msg.rank] = max(self._acked[msg.rank], msg.acked)
                     self._lock.notify_all()
-                wake = self.wake
-                if wake is not None:
-                    wake()
+                self._wake()
         except BaseException as exc:  # pulls would never end: the engine must stop instead
             logger.exception("the KV results of the ranks can no longer be read")
             self._error = exc
-            wake = self.wake
-            if wake is not None:
-                wake()
+            self._wake()
         finally:
             sock.close(linger=0)
+
+    def _wake(self) -> None:
+        wake = self.wake
+        if wake is not None:
+            wake()
 
     def _check(self) -> None:
         if self._error is not None:
@@ -233,13 +234,10 @@ class RankedKVWorker:
 
 
 def _merge(parts: list[tuple[int, TransferResult]]) -> TransferResult:
-    """One pull from its per-rank parts: ok if every part is."""
-    failed = [(rank, r) for rank, r in parts if not r.ok]
-    first = parts[0][1]
+    """One pull from its per-rank parts: ok if every part is, else failed with the error of the
+    lowest failed rank."""
+    failed = sorted((rank, r.error or "FAILED") for rank, r in parts if not r.ok)
+    error = f"{failed[0][1]} (rank {failed[0][0]})" if failed else None
     total = sum(r.num_bytes for _, r in parts)
     seconds = max(r.seconds for _, r in parts)
-    if not failed:
-        return TransferResult(first.req_id, True, num_bytes=total, seconds=seconds)
-    rank, result = min(failed, key=lambda f: f[0])
-    error = f"{result.error or 'FAILED'} (rank {rank})"
-    return TransferResult(first.req_id, False, error, total, seconds)
+    return TransferResult(parts[0][1].req_id, not failed, error, total, seconds)

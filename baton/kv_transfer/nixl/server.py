@@ -83,13 +83,9 @@ class SideChannelServer(ThreadedServer):
             return False
         try:
             got = envelope_decoder.decode(payload)
-        except msgspec.DecodeError:
-            self._refuse(conn, Status.BAD_REQUEST)
-            return False
-        if not self._keys.check(got.key_id, got.tag, nonce, got.body):
-            self._refuse(conn, Status.UNAUTHORIZED)
-            return False
-        try:
+            if not self._keys.check(got.key_id, got.tag, nonce, got.body):
+                self._refuse(conn, Status.UNAUTHORIZED)
+                return False
             message = message_decoder.decode(got.body)
         except msgspec.DecodeError:
             self._refuse(conn, Status.BAD_REQUEST)
