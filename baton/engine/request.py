@@ -85,7 +85,6 @@ class Request:
         # synchronous loop, two with async scheduling (step N+1 is scheduled before N returns).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
-        self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.
         self.block_hashes: list[bytes] = []

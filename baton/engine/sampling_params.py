@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# The kinds of constraint a `StructuredOutputsParams` may set, exactly one at a time.
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,11 @@ class StructuredOutputsParams:
     after_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        kinds = [
-            self.json is not None,
-            self.json_object,
-            self.regex is not None,
-            self.choice is not None,
-            self.grammar is not None,
-            self.structural_tag is not None,
-        ]
-        if sum(kinds) != 1:
+        num_kinds = sum(getattr(self, k) not in (None, False) for k in STRUCTURED_OUTPUT_KINDS)
+        if num_kinds != 1:
             raise ValueError(
-                "structured_outputs must set exactly one of json, json_object, regex, choice, "
-                f"grammar, structural_tag; got {sum(kinds)}"
+                f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}; "
+                f"got {num_kinds}"
             )
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))

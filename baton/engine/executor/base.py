@@ -27,8 +27,6 @@ class StepResult(Protocol):
 class Executor(ABC):
     """Runs the model's workers. Not thread-safe: the busy loop alone calls it."""
 
-    tensor_parallel_size: int = 1
-
     @abstractmethod
     def kv_bytes_per_block(self) -> int:
         """Bytes of one KV block on one rank (its shard of the KV heads)."""

@@ -41,7 +41,7 @@ from baton.engine.executor.messages import (
 )
 from baton.engine.models.config import ModelConfig
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from baton.engine.worker.model_runner import RunnerConfig
+from baton.engine.worker.model_runner import PendingOutput, RunnerConfig
 from baton.kv_transfer.base import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,17 @@ def _exited(rank: int, proc: subprocess.Popen[bytes], code: int, more: str) -> W
     return WorkerDiedError(
         f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code {code}{more}"
     )
+
+
+def _bind_xpub(ctx: zmq.Context, address: str) -> zmq.Socket:
+    """A socket every rank subscribes to. XPUB, not PUB: it hands us each subscription, so we
+    know when every rank listens (a PUB socket drops what it sends before a subscriber has
+    joined)."""
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
+    sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message
+    sock.bind(address)
+    return sock
 
 
 def _free_port() -> int:
@@ -110,14 +121,6 @@ class _Step:
         return self._output
 
 
-class _Done:
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self._output = output
-
-    def result(self) -> ModelRunnerOutput:
-        return self._output
-
-
 class MultiprocExecutor(Executor):
     def __init__(
         self,
@@ -130,12 +133,7 @@ class MultiprocExecutor(Executor):
         self._workers = workers = _Workers()
         self._finalizer = weakref.finalize(self, workers.stop, None)
         ctx, base = workers.ctx, f"ipc://{workers.tmp.name}"
-        # XPUB, not PUB: it hands us each subscription, so we know when every rank listens
-        # (a PUB socket drops what it sends before a subscriber has joined).
-        self._steps = ctx.socket(zmq.XPUB)
-        self._steps.setsockopt(zmq.XPUB_VERBOSE, 1)  # one subscription message per rank
-        self._steps.setsockopt(zmq.SNDHWM, 0)  # never drop a step
-        self._steps.bind(f"{base}/steps")
+        self._steps = _bind_xpub(ctx, f"{base}/steps")
         self._results = ctx.socket(zmq.PULL)
         self._results.bind(f"{base}/results")
         self._poller = zmq.Poller()
@@ -237,10 +235,7 @@ class MultiprocExecutor(Executor):
 
     def start_kv_transfer(self, config: KVTransferConfig, block_size: int) -> RankedKVWorker:
         """Every rank starts the connector's worker half on its shard, on its own port."""
-        meta = self._workers.ctx.socket(zmq.XPUB)
-        meta.setsockopt(zmq.XPUB_VERBOSE, 1)
-        meta.setsockopt(zmq.SNDHWM, 0)
-        meta.bind(f"{self._base}/kv-meta")
+        meta = _bind_xpub(self._workers.ctx, f"{self._base}/kv-meta")
         results = f"{self._base}/kv-results"
         proxy = RankedKVWorker(self._workers.ctx, meta, results, self.tensor_parallel_size)
         proxy.check_health = self.check_health
@@ -254,9 +249,9 @@ class MultiprocExecutor(Executor):
         proxy.transport_name = ready[0].transport
         return proxy
 
-    def execute_model_async(self, out: SchedulerOutput) -> _Step | _Done:
+    def execute_model_async(self, out: SchedulerOutput) -> _Step | PendingOutput:
         if not (out.total_num_scheduled_tokens or out.finished_req_ids):
-            return _Done(ModelRunnerOutput(sampled_token_ids={}))  # nothing for the workers
+            return PendingOutput.empty()  # nothing for the workers
         self._publish(out)
         self._published += 1
         return _Step(self, self._published - 1)

@@ -25,8 +25,7 @@ class UniProcExecutor(Executor):
         device = self.runner.device
         if device.type != "cuda":
             return None
-        free, total = torch.cuda.mem_get_info(device)
-        return free, total
+        return torch.cuda.mem_get_info(device)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

@@ -89,10 +89,9 @@ class TorchAttention:
     groups of similar length.
     """
 
-    def __init__(self, block_size: int, scale: float, use_kernel: bool = True) -> None:
+    def __init__(self, block_size: int, scale: float) -> None:
         self.block_size = block_size
         self.scale = scale
-        self.use_kernel = use_kernel
 
     def _plan(self, meta: AttentionMetadata, q: torch.Tensor, kv_cache: torch.Tensor) -> _Plan:
         cached = meta.plan.get("torch")
@@ -116,12 +115,8 @@ class TorchAttention:
             plan.prefills.append(_Prefill(start, end, block_ids, mask))
         # q_len 1 covers decodes and one-token prompt chunks alike: both read the cache.
         rows = np.flatnonzero(q_lens == 1)
-        use_kernel = (
-            self.use_kernel
-            and device.type == "cpu"
-            and cpu_paged_attention.available(
-                kv_cache.dtype, q.shape[1], kv_cache.shape[4], kv_cache.shape[5], bs
-            )
+        use_kernel = device.type == "cpu" and cpu_paged_attention.available(
+            kv_cache.dtype, q.shape[1], kv_cache.shape[4], kv_cache.shape[5], bs
         )
         if len(rows) and use_kernel:
             plan.decodes = _Decodes(
@@ -189,24 +184,21 @@ class TorchAttention:
             out[group.token_idx] = o.squeeze(2)
         for p in plan.prefills:
             qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-            if p.block_ids is None or p.mask is None:
-                kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True
-                )
+            if p.block_ids is None or p.mask is None:  # the whole context is this chunk
+                kp, vp = k[p.start : p.end], v[p.start : p.end]
             else:
                 seq_len = p.mask.shape[1]
                 kp = k_cache[p.block_ids].view(-1, kv_heads, head_dim)[:seq_len]
                 vp = v_cache[p.block_ids].view(-1, kv_heads, head_dim)[:seq_len]
-                o = F.scaled_dot_product_attention(
-                    qp,
-                    kp.transpose(0, 1).unsqueeze(0),
-                    vp.transpose(0, 1).unsqueeze(0),
-                    attn_mask=p.mask,
-                    scale=self.scale,
-                    enable_gqa=True,
-                )
+            o = F.scaled_dot_product_attention(
+                qp,
+                kp.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, seq_len, head_dim]
+                vp.transpose(0, 1).unsqueeze(0),
+                attn_mask=p.mask,
+                is_causal=p.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -214,13 +206,12 @@ class TorchAttention:
 class TritonAttention:
     """The GPU path: Baton's Triton kernels for the cache write and the mixed-batch attention."""
 
-    def __init__(self, block_size: int, scale: float) -> None:
+    def __init__(self, scale: float) -> None:
         from baton.engine.ops.paged_attention import paged_attention
         from baton.engine.ops.reshape_and_cache import reshape_and_cache
 
         self._write = reshape_and_cache
         self._attend = paged_attention
-        self.block_size = block_size
         self.scale = scale
 
     def __call__(
@@ -250,5 +241,5 @@ def make_attention_backend(name: str, block_size: int, scale: float) -> Attentio
     if name == "torch":
         return TorchAttention(block_size, scale)
     if name == "triton":
-        return TritonAttention(block_size, scale)
+        return TritonAttention(scale)
     raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")

@@ -102,22 +102,20 @@ class ShardLayout:
         if self.size == 1:
             return tensor
         module = name.rsplit(".", 2)[-2]  # "layers.0.self_attn.q_proj.weight" -> q_proj
-        if module == "q_proj":
-            return tensor.narrow(
-                0, self.rank * self.num_heads * head_dim, self.num_heads * head_dim
-            )
-        if module in ("k_proj", "v_proj"):
-            rows = self.num_kv_heads * head_dim
-            return tensor.narrow(0, self.kv_head_start * head_dim, rows)
-        if module in ("gate_proj", "up_proj"):
-            cols = self.intermediate_size
-            return tensor.narrow(0, self.rank * cols, cols)
-        if module == "o_proj":
-            cols = self.num_heads * head_dim
-            return tensor.narrow(1, self.rank * cols, cols)
-        if module == "down_proj":
-            cols = self.intermediate_size
-            return tensor.narrow(1, self.rank * cols, cols)
+        heads, kv_heads = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        mlp = self.intermediate_size
+        # module -> (dim, start, length): column-parallel rows (dim 0), row-parallel columns (1)
+        slices = {
+            "q_proj": (0, self.rank * heads, heads),
+            "k_proj": (0, self.kv_head_start * head_dim, kv_heads),
+            "v_proj": (0, self.kv_head_start * head_dim, kv_heads),
+            "gate_proj": (0, self.rank * mlp, mlp),
+            "up_proj": (0, self.rank * mlp, mlp),
+            "o_proj": (1, self.rank * heads, heads),
+            "down_proj": (1, self.rank * mlp, mlp),
+        }
+        if module in slices:
+            return tensor.narrow(*slices[module])
         if module in ("embed_tokens", "lm_head"):
             end = min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
             return tensor.narrow(0, self.vocab_start, max(0, end - self.vocab_start))

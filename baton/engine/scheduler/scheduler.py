@@ -139,8 +139,7 @@ class Scheduler:
             self._compiling.discard(request.request_id)
         if self.remote_kv is None or not self.remote_kv.holds_blocks(request.request_id):
             self.kv.free(request)
-        if self._group_leaders.get(request.group_id or "") is request:
-            del self._group_leaders[request.group_id or ""]
+        self._release_leader(request)
         self._finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -369,6 +368,11 @@ class Scheduler:
         for request in reversed(deferred):
             self.waiting.prepend(request)
 
+    def _release_leader(self, request: Request) -> None:
+        """If `request` leads its group, its siblings no longer wait for it."""
+        if self._group_leaders.get(request.group_id or "") is request:
+            del self._group_leaders[request.group_id or ""]
+
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=_rank)
@@ -377,11 +381,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        if self._group_leaders.get(request.group_id or "") is request:
-            del self._group_leaders[request.group_id or ""]
+        self._release_leader(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_req_ids.add(request.request_id)
         self.waiting.prepend(request)
@@ -399,12 +401,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             if request.status == RequestStatus.RUNNING:
                 self.kv.cache_blocks(request)
-                leader_group = request.group_id or ""
-                if (
-                    self._group_leaders.get(leader_group) is request
-                    and request.num_computed_tokens >= request.num_prompt_tokens
-                ):
-                    del self._group_leaders[leader_group]
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    self._release_leader(request)  # its prompt blocks are cached now
             # A request preempted after this step was scheduled (async scheduling) still gets
             # its token: the step ran, and its recompute starts from all the tokens.
             token = sampled.get(req_id)

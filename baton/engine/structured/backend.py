@@ -25,7 +25,7 @@ import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from baton.engine.config import StructuredOutputsConfig
-from baton.engine.sampling_params import StructuredOutputsParams
+from baton.engine.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 from baton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,10 +62,8 @@ class Grammar:
     is the costly part; a request's matcher is a copy of a pristine prototype, so many requests
     with the same constraint share one compile."""
 
-    def __init__(self, params: StructuredOutputsParams, serialized: str, prototype: Any) -> None:
-        self.params = params
-        self.serialized = serialized  # the llguidance grammar (JSON or Lark text)
-        self._prototype: llguidance.LLMatcher = prototype
+    def __init__(self, prototype: llguidance.LLMatcher) -> None:
+        self._prototype = prototype
         # The prototype is never advanced; the lock only keeps concurrent copies apart, as the
         # compile pool and the scheduler may copy it at once.
         self._lock = threading.Lock()
@@ -179,15 +177,14 @@ class GrammarCompiler:
         return grammar
 
     def _build(self, params: StructuredOutputsParams) -> Grammar:
-        serialized = self._serialize(params)
         # The constructor never raises for a bad grammar: the matcher is born in an error
         # state instead. It releases the GIL while it builds.
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, serialized, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, self._serialize(params), log_level=0)
         if matcher.is_error():
             raise GrammarError(_describe(params, matcher.get_error()))
         for warning in matcher.get_grammar_warnings():
             logger.warning("structured outputs grammar: %s", warning)
-        return Grammar(params, serialized, matcher)
+        return Grammar(matcher)
 
     def _serialize(self, params: StructuredOutputsParams) -> str:
         """The llguidance grammar for `params`, without checking it."""
@@ -318,11 +315,7 @@ def _to_lark(grammar: str) -> str:
 def _describe(params: StructuredOutputsParams, message: str) -> str:
     """llguidance's message under the name of the field it is about, without the excerpt of
     the internal Lark text it appends (which the user did not write for a regex or a schema)."""
-    kind = next(
-        name
-        for name in ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
-        if getattr(params, name) not in (None, False)
-    )
+    kind = next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(params, k) not in (None, False))
     message = message.strip()
     if kind != "grammar":
         message = re.sub(r"^at \d+\(\d+\): ", "", message.split("\n   1 |")[0].rstrip())

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 # Prompt logprobs take the full-vocabulary logits of every prompt position; this many positions
 # at a time bounds that memory (rows x vocab float32) whatever the chunk size.
 _PROMPT_LOGPROBS_ROWS = 256
+# Prompt logprobs of one chunk, on the device: (first prompt position predicted, [m, k+1] ids,
+# [m, k+1] logprobs, [m] ranks).
+PromptLogprobsChunk = tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -51,11 +54,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     num_computed_tokens: int = 0  # in the cache before this step: this step runs from here
     num_pending: int = 0  # sampled on the device, not yet appended to token_ids
-    # Prompt logprobs computed so far, chunk by chunk, still on the device: (first prompt
-    # position predicted, [m, k+1] ids, [m, k+1] logprobs, [m] ranks).
-    prompt_logprobs: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list
-    )
+    # Prompt logprobs computed so far, chunk by chunk, still on the device.
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     # Built once from the sampling params, for the logits' width (ids past it are dropped).
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None
     allowed_mask: torch.Tensor | None = None  # [V] bool on the device, True = allowed
@@ -81,9 +81,7 @@ def _needs_history(p: SamplingParams) -> bool:
     return _uses_penalties(p) or any(len(w) > 1 for w in p.bad_words_token_ids)
 
 
-def _prompt_logprobs_entries(
-    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]],
-) -> list[LogprobsEntry]:
+def _prompt_logprobs_entries(chunks: list[PromptLogprobsChunk]) -> list[LogprobsEntry]:
     """One `LogprobsEntry` per prompt position 1.., from the chunks in position order."""
     if not chunks:  # a one-token prompt: nothing predicts anything in it
         return []
@@ -101,8 +99,7 @@ class PendingOutput:
         self,
         states: list[CachedRequestState],
         result: SamplerOutput | None,
-        prompt_logprobs: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]
-        | None = None,
+        prompt_logprobs: dict[str, list[PromptLogprobsChunk]] | None = None,
     ) -> None:
         self.states = states
         self.sampler_output = result
@@ -319,7 +316,6 @@ class ModelRunner:
                         "its KV (a prefix-cache hit or a KV pull) and was never computed here",
                         state.req_id,
                     )
-        for state in sampled:
             state.num_pending += 1
         self._pending = PendingOutput(sampled, result, prompt_logprobs)
         return self._pending
@@ -352,7 +348,7 @@ class ModelRunner:
         the first output token, which is the sampled logprobs' business).
         """
         start = state.num_computed_tokens
-        stop = min(start + self._num_scheduled(state), state.num_prompt_tokens - 1)
+        stop = min(start + self._step_tokens[state.req_id], state.num_prompt_tokens - 1)
         k = state.sampling_params.prompt_logprobs
         assert k is not None
         for lo in range(start, stop, _PROMPT_LOGPROBS_ROWS):
@@ -361,9 +357,6 @@ class ModelRunner:
             targets = self._to_device(np.asarray(state.token_ids[lo + 1 : hi + 1], np.int64))
             ids, lps, ranks = gather_logprobs(torch.log_softmax(logits, dim=-1), targets, k)
             state.prompt_logprobs.append((lo + 1, ids, lps, ranks))
-
-    def _num_scheduled(self, state: CachedRequestState) -> int:
-        return self._step_tokens[state.req_id]
 
     def _init_processors(self, state: CachedRequestState) -> None:
         """Turn a new request's logit_bias, allowed_token_ids and bad words into the forms the
@@ -473,9 +466,7 @@ class ModelRunner:
         return np.asarray(ids, np.int64)
 
 
-def _covers_prompt(
-    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], num_prompt_tokens: int
-) -> bool:
+def _covers_prompt(chunks: list[PromptLogprobsChunk], num_prompt_tokens: int) -> bool:
     """Whether the chunks hold exactly prompt positions 1 .. n-1, each once, in some order."""
     expected = 1
     for first, ids, _, _ in sorted(chunks, key=lambda c: c[0]):
@@ -486,8 +477,8 @@ def _covers_prompt(
 
 
 def _truncate_chunks(
-    chunks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], num_computed: int
-) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    chunks: list[PromptLogprobsChunk], num_computed: int
+) -> list[PromptLogprobsChunk]:
     """Keep the prompt logprobs of positions <= num_computed: those are not computed again.
 
     Position p is predicted by the hidden state at p - 1, which a resumed request recomputes
