@@ -7,16 +7,14 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
 
 import kopf
 
-from baton.kube import load_configuration
+from baton.kube import SERVICE_ACCOUNT, load_configuration
 from baton.operator.canary import CanaryConfig
 from baton.operator.handlers import Controller, register
 from baton.operator.resources import NetworkAccess
 
-SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 DEFAULT_NAMESPACE = "baton-system"
 
 
@@ -92,7 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def own_namespace() -> str:
     """The namespace of the pod this runs in (its service account's), else baton-system."""
     try:
-        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip() or DEFAULT_NAMESPACE
+        return (SERVICE_ACCOUNT / "namespace").read_text().strip() or DEFAULT_NAMESPACE
     except OSError:
         return DEFAULT_NAMESPACE
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import kopf
 
-from baton.kube import ISVC_LABEL, Cluster, connect, load_configuration
+from baton.kube import ISVC_LABEL, MANAGED_BY_LABEL, Cluster, connect, load_configuration
 from baton.operator import crd
 from baton.operator.api import PLURALS, Api
 from baton.operator.canary import CanaryConfig
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
-from baton.operator.resources import MANAGED_BY_LABEL, MANAGER, NetworkAccess
+from baton.operator.resources import MANAGER, NetworkAccess
 
 logger = logging.getLogger(__name__)
 

@@ -163,26 +163,14 @@ async def _probe(
     prompt = canary_prompt(block_size)
 
     before = parse_samples(await _get(session, f"{decode.url}/metrics", headers))
-    step1 = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
+    request = {"model": model, "prompt": prompt, "max_tokens": 1}
+    step1 = {**request, "kv_transfer_params": {"do_remote_decode": True}}
     params = (await _complete(session, prefill, step1, headers)).get("kv_transfer_params")
     if not isinstance(params, dict):
         raise ProbeError(f"prefill {prefill} answered without kv_transfer_params")
     # Policy fail: a pull that fails is a 503 here, not a silent local recompute.
-    step2 = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "kv_transfer_params": {
-            **params,
-            "do_remote_prefill": True,
-            "kv_load_failure_policy": "fail",
-        },
-    }
+    remote = {**params, "do_remote_prefill": True, "kv_load_failure_policy": "fail"}
+    step2 = {**request, "kv_transfer_params": remote}
     started = time.perf_counter()
     await _complete(session, decode, step2, headers)
     step2_seconds = time.perf_counter() - started

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from baton.operator.crd import DEFAULT_DRAIN_SECONDS
 from baton.operator.spec import InferenceServiceSpec, ModelSource, Pool
 
 ENGINE_PORT = 8000
@@ -34,7 +33,6 @@ MODEL_MOUNT = "/models"
 # The router drains its open streams in D (`--router-shutdown-timeout`, uvicorn's graceful
 # shutdown) and exits at once after.
 PRESTOP_SLEEP_SECONDS = 10
-DRAIN_SECONDS = DEFAULT_DRAIN_SECONDS  # the default of spec.drain.timeoutSeconds
 LEASE_POLL_SECONDS = 1  # _wait_leases: the core frees an expired lease at its next poll
 ENGINE_EXIT_SECONDS = 15
 ROUTER_EXIT_SECONDS = 5
@@ -211,8 +209,7 @@ def _fetch_model(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manif
         args += ["--revision", model.revision]
     env: list[Manifest] = [{"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.cache"}]
     if model.hf_token_secret:
-        name, key = model.hf_token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+        env.append(_secret_env("HF_TOKEN", model.hf_token_secret))
     init = {
         "name": "fetch-model",
         "image": spec.image,

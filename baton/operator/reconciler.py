@@ -28,7 +28,7 @@ import aiohttp
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.dynamic.exceptions import ConflictError, NotFoundError
 
-from baton.kube import ISVC_LABEL
+from baton.kube import ISVC_LABEL, MANAGED_BY_LABEL
 from baton.operator import crd
 from baton.operator.api import Api
 from baton.operator.canary import Canary, CanaryConfig, Target, kv_path, kv_path_ready
@@ -36,7 +36,6 @@ from baton.operator.events import event_body
 from baton.operator.pods import KV_SECRET_KEY
 from baton.operator.resources import (
     COMPONENT_LABEL,
-    MANAGED_BY_LABEL,
     MANAGER,
     NetworkAccess,
     desired_children,

@@ -41,7 +41,6 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 APP = "baton"
 MANAGER = OPERATOR_NAME
-__all__ = ["MANAGED_BY_LABEL", "MANAGER"]  # re-exported: the operator's modules name them here
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace
 # Children get names "<isvc>-prefill" etc., which must stay valid Service names (63 characters).
 MAX_NAME_LENGTH = 63 - len("-prefill")
@@ -78,23 +77,26 @@ def check_name(name: str) -> None:
         )
 
 
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    """The immutable Deployment selector: never add to it, or existing Deployments break."""
+    return {NAME_LABEL: APP, INSTANCE_LABEL: name, COMPONENT_LABEL: component}
+
+
 def labels(name: str, component: str, role: str | None = None) -> dict[str, str]:
     """The labels of every child and pod of the service `name` (engines also carry the role)."""
-    result = {
-        NAME_LABEL: APP,
-        INSTANCE_LABEL: name,
-        COMPONENT_LABEL: component,
-        MANAGED_BY_LABEL: MANAGER,
-        ISVC_LABEL: name,
-    }
+    result = {**selector_labels(name, component), MANAGED_BY_LABEL: MANAGER, ISVC_LABEL: name}
     if role is not None:
         result[ROLE_LABEL] = role
     return result
 
 
-def selector_labels(name: str, component: str) -> dict[str, str]:
-    """The immutable Deployment selector: never add to it, or existing Deployments break."""
-    return {NAME_LABEL: APP, INSTANCE_LABEL: name, COMPONENT_LABEL: component}
+def _scraped_at(port: int) -> dict[str, str]:
+    """The pod annotations that point Prometheus at the pod's /metrics on `port`."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
 def owner_reference(isvc: Manifest) -> Manifest:
@@ -135,12 +137,7 @@ def _engine_children(
     child_name = f"{name}-{pool.component}"
     pool_labels = labels(name, pool.component, pool.role)
     served = {SERVED_MODEL_ANNOTATION: spec.model.served_model_name}
-    pod_annotations = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(ENGINE_PORT),
-        "prometheus.io/path": "/metrics",
-        **served,
-    }
+    pod_annotations = {**_scraped_at(ENGINE_PORT), **served}
     selector = selector_labels(name, pool.component)
     # On the pods and their Deployment only: Services, PDBs and selectors span revisions.
     revision_labels = {**pool_labels, REVISION_LABEL: revision(spec)}
@@ -213,11 +210,6 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
         "name": child_name,
     }
     binding["subjects"] = [{"kind": "ServiceAccount", "name": child_name, "namespace": namespace}]
-    pod_annotations = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(ROUTER_PORT),
-        "prometheus.io/path": "/metrics",
-    }
     deployment = _child("apps/v1", "Deployment", child_name, isvc, router_labels)
     deployment["spec"] = {
         "replicas": spec.router.replicas,
@@ -228,7 +220,7 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
             f"{ISVC_LABEL}={name}",
             child_name,
             router_labels,
-            pod_annotations,
+            _scraped_at(ROUTER_PORT),
         ),
     }
     service = _child("v1", "Service", name, isvc, router_labels)
@@ -243,9 +235,8 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
 
 def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkAccess) -> Manifest:
     """Engine HTTP only from this service's router, the gateway, the operator (its KV canary)
-    and monitoring; KV ports (TCP
-    blocks and NIXL's side channel, one port per tensor-parallel rank) only from this service's
-    decode engines, the only pods that pull KV blocks."""
+    and monitoring; KV ports (TCP blocks and NIXL's side channel, one port per tensor-parallel
+    rank) only from this service's decode engines, the only pods that pull KV blocks."""
     name = isvc["metadata"]["name"]
     policy_labels = labels(name, "network-policy")
     policy = _child("networking.k8s.io/v1", "NetworkPolicy", f"{name}-engines", isvc, policy_labels)

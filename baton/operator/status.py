@@ -3,8 +3,7 @@ available replicas, the pods' revision label and whether its rollout is complete
 URL (and the gateway's); and the conditions `Ready`, `PrefillReady`, `DecodeReady`,
 `RouterReady`, `RolloutComplete`, `ModelNameConflict` (and the canary's `KVPathReady`) with
 CamelCase reasons, `observedGeneration` and transition times that move only when a condition's
-status changes. Pure functions; the
-reconciler reads the children and writes the result.
+status changes. Pure functions; the reconciler reads the children and writes the result.
 """
 
 from __future__ import annotations
@@ -27,18 +26,9 @@ def now_iso() -> str:
 def pool_status(deployment: Manifest | None) -> Manifest:
     """Replicas of one Deployment as its controller reports them (all 0 while it does not exist),
     whether its rollout is complete, and its pods' revision label when they have one."""
-    if deployment is None:
-        return {
-            "desiredReplicas": 0,
-            "readyReplicas": 0,
-            "summary": "0/0",
-            "replicas": 0,
-            "updatedReplicas": 0,
-            "availableReplicas": 0,
-            "rolloutComplete": False,
-        }
-    desired = deployment.get("spec", {}).get("replicas", 1)
-    live = deployment.get("status") or {}
+    spec = (deployment or {}).get("spec", {})
+    desired = 0 if deployment is None else spec.get("replicas", 1)
+    live = (deployment or {}).get("status") or {}
     ready = live.get("readyReplicas", 0) or 0
     result: Manifest = {
         "desiredReplicas": desired,
@@ -49,7 +39,7 @@ def pool_status(deployment: Manifest | None) -> Manifest:
         "availableReplicas": live.get("availableReplicas", 0) or 0,
         "rolloutComplete": rollout_waiting(deployment) is None,
     }
-    template = deployment.get("spec", {}).get("template", {}).get("metadata", {})
+    template = spec.get("template", {}).get("metadata", {})
     label = (template.get("labels") or {}).get(REVISION_LABEL)
     if label is not None:
         result["revision"] = label
@@ -216,13 +206,8 @@ def model_name_condition(
     gateway then leaves this one out (its own router still serves it)."""
     served = spec.model.served_model_name
     if model_owner is None:
-        return condition(
-            "ModelNameConflict",
-            False,
-            "ModelNameUnique",
-            f"the gateway serves {served!r} here",
-            generation,
-        )
+        message = f"the gateway serves {served!r} here"
+        return condition("ModelNameConflict", False, "ModelNameUnique", message, generation)
     message = (
         f"{model_owner} was created earlier and serves {served!r}; the gateway does not route "
         "to this service; set spec.model.servedModelName to another name"

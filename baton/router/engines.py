@@ -16,7 +16,6 @@ from baton.router.discovery import Endpoint
 DECODE_ROLES: tuple[Role, ...] = ("decode", "both")
 PREFILL_ROLES: tuple[Role, ...] = ("prefill",)
 AGGREGATED_ROLES: tuple[Role, ...] = ("both",)
-ALL_ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
 
 @dataclass(eq=False)
@@ -36,7 +35,6 @@ class EngineState:
     # requests sent or finished since then correct the stale figure
     scraped_load: float = 0.0
     in_flight_at_scrape: int = 0
-    kv_cache_usage: float = 0.0
     # From /health: KV blocks move only between engines that agree on what they mean: equal
     # tensor_parallel_size and equal compatibility fingerprint (one digest of model config,
     # weights, dtype, block size, KV layout, tokenizer and template, wire version). None: not

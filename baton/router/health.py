@@ -152,7 +152,7 @@ class HealthMonitor:
         except (aiohttp.ClientError, TimeoutError):
             return
         if status == 200:
-            state.scraped_load, state.kv_cache_usage = parse_load(body.decode(errors="replace"))
+            state.scraped_load, _ = parse_load(body.decode(errors="replace"))
             state.in_flight_at_scrape = state.in_flight
 
     def _set_healthy(self, state: EngineState, ok: bool, why: str) -> None:

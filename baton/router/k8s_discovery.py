@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set by Kubernetes on every EndpointSlice
 WATCH_SECONDS = 300  # the server ends each watch after this; the next one resumes from there
+MAX_BACKOFF = 30.0  # seconds between failed rounds, at most
+PORT_NAME = "http"  # the engines' HTTP API port in their EndpointSlices (the operator's name)
 
 # What a failed round raises: the API's answers, the connection, malformed objects.
 RETRIED = (ApiException, aiohttp.ClientError, TimeoutError, ValueError, KeyError)
@@ -62,23 +64,18 @@ class KubernetesDiscovery:
         self,
         namespace: str | None,
         selector: Mapping[str, str],
-        port_name: str = "http",
         kubeconfig: str | None = None,
-        max_backoff: float = 30.0,
     ) -> None:
         """How the router's flags map here: `--discovery kubernetes --namespace NS` gives
         `namespace="NS"`, `--all-namespaces` gives `namespace=None`, and
         `--selector k=v,k2=v2` gives `selector={"k": "v", "k2": "v2"}` (every pair must match).
-        `port_name` names the EndpointSlice port of the engines' HTTP API (the operator's
-        headless Services call it "http"). `kubeconfig` defaults to the in-cluster service
-        account, else `$KUBECONFIG` (`baton.kube.connect`); the account needs get/list/watch on
-        endpointslices and services."""
+        `kubeconfig` defaults to the in-cluster service account, else `$KUBECONFIG`
+        (`baton.kube.connect`); the account needs get/list/watch on endpointslices and
+        services."""
         if not selector:
             raise ValueError("Kubernetes discovery needs a label selector, e.g. app=baton")
         self.namespace = namespace
         self.selector = ",".join(f"{k}={v}" for k, v in selector.items())
-        self.port_name = port_name
-        self.max_backoff = max_backoff
         self._kubeconfig = kubeconfig
         # What is kept of each object of each kind listed so far: a slice, a Service's served
         # model. Nothing is published before both are listed, so engines never appear without
@@ -103,7 +100,7 @@ class KubernetesDiscovery:
                         services = ("v1", "services", _operator_service)
                         group.create_task(self._follow(cluster, *services, on_change))
                 except* RETRIED as e:
-                    delay = min(self.max_backoff, 0.5 * 2**self._failures)
+                    delay = min(MAX_BACKOFF, 0.5 * 2**self._failures)
                     self._failures += 1
                     causes = "; ".join(str(x).strip() for x in e.exceptions)
                     logger.warning("Kubernetes discovery: %s; retrying in %.1fs", causes, delay)
@@ -160,9 +157,7 @@ class KubernetesDiscovery:
             role = ROLE_OF.get(labels.get(ROLE_LABEL, ""))
             if role is None:
                 continue  # e.g. the router's own Service, which matches a broad selector
-            ports = [
-                p.get("port") for p in item.get("ports") or [] if p.get("name") == self.port_name
-            ]
+            ports = [p.get("port") for p in item.get("ports") or [] if p.get("name") == PORT_NAME]
             if not ports or ports[0] is None:
                 continue
             # A slice counts only once its Service is seen and known to be the operator's.

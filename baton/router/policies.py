@@ -24,8 +24,6 @@ LOAD_SLACK = 8.0
 
 
 class Policy(Protocol):
-    name: str
-
     def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
         """One of `candidates` (non-empty) for a request with `prompt`."""
         ...
@@ -39,8 +37,6 @@ class RoundRobin:
     chosen decode engine, say), and a shared counter over varying lists can land on the same
     engine of a list every time it is offered.
     """
-
-    name = "round-robin"
 
     def __init__(self) -> None:
         self._picks = 0
@@ -61,8 +57,6 @@ class LeastLoad(RoundRobin):
     """The candidate with the fewest running + waiting requests (scraped, corrected by the
     router's own in-flight counts since the scrape)."""
 
-    name = "least-load"
-
     def choose(self, candidates: Sequence[EngineState], prompt: Prompt) -> EngineState:
         least = min(s.load() for s in candidates)
         return self._take([s for s in candidates if s.load() == least])
@@ -76,8 +70,6 @@ class PrefixAware(RoundRobin):
     holds the least; with a match, the holder keeps the prompt's family until it is clearly
     busier than the others.
     """
-
-    name = "prefix-aware"
 
     def __init__(self, index: PrefixIndex, block_chars: int, load_weight: float) -> None:
         super().__init__()

@@ -41,17 +41,14 @@ class Prompt:
         return hashes
 
     def _compute(self, block_chars: int) -> list[int]:
+        prompt: tuple[int, ...] | str = self.text or ""
+        size = block_chars
+        if self.token_ids is not None:
+            prompt, size = tuple(self.token_ids), TOKEN_BLOCK
         hashes: list[int] = []
         parent = 0
-        if self.token_ids is not None:
-            ids = self.token_ids
-            for start in range(0, len(ids) - TOKEN_BLOCK + 1, TOKEN_BLOCK):
-                parent = hash((parent, tuple(ids[start : start + TOKEN_BLOCK])))
-                hashes.append(parent)
-            return hashes
-        text = self.text or ""
-        for start in range(0, len(text) - block_chars + 1, block_chars):
-            parent = hash((parent, text[start : start + block_chars]))
+        for start in range(0, len(prompt) - size + 1, size):
+            parent = hash((parent, prompt[start : start + size]))
             hashes.append(parent)
         return hashes
 

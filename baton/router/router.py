@@ -23,12 +23,11 @@ from starlette.responses import Response
 
 from baton.errors import APIError
 from baton.http_server import ClientGone, cancel_on_disconnect
-from baton.roles import Role
+from baton.roles import ROLES, Role
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, Endpoint
 from baton.router.engines import (
     AGGREGATED_ROLES,
-    ALL_ROLES,
     DECODE_ROLES,
     PREFILL_ROLES,
     EngineSet,
@@ -174,10 +173,7 @@ class Router:
         if not isinstance(body, dict):
             raise APIError(400, "the body must be a JSON object")
         headers = {"content-type": "application/json"}
-        for name in _FORWARDED_HEADERS:
-            value = request.headers.get(name)
-            if value is not None:
-                headers[name] = value
+        headers |= {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         raw = client_body(raw, body)
         return Routed(
             route=route,
@@ -311,7 +307,7 @@ class Router:
         model = self.resolve_model(body.get("model") if isinstance(body, dict) else None)
 
         def pick(tried: set[str]) -> EngineState | None:
-            candidates = [s for s in self.engines.available(model, ALL_ROLES) if s.url not in tried]
+            candidates = [s for s in self.engines.available(model, ROLES) if s.url not in tried]
             return self._any_policy.choose(candidates, Prompt()) if candidates else None
 
         answer = await self.upstream.send(
