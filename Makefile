@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 serve: install
 	$(VENV)/bin/baton serve --host 127.0.0.1 --port 8000
 
+# A worker per core (pytest-xdist), each test file whole on one worker and tests/e2e on one
+# (tests/conftest.py): one file's engine starts and socket waits overlap the other's computing.
 test: install
-	$(PY) -m pytest -q -m "not long" --durations=25
+	$(PY) -m pytest -q -m "not long" -n auto --durations=25
 
 test-long: install
 	$(PY) -m pytest -q -m long --durations=25

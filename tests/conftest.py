@@ -6,6 +6,7 @@ import os
 import secrets
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +59,18 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     each compile it (the cache is empty at first), a C compile per engine on shared cores."""
     os.environ.setdefault("BATON_CACHE_DIR", str(tmp_path_factory.mktemp("baton-cache")))
     cpu_paged_attention.available(torch.float32, 1, 1, 16, 16)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without the plugin
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (`make test` runs a worker per core) each test file runs whole on one
+    worker, so a module's shared engine server starts once, and tests/e2e, whose files share one
+    session fleet of engines, runs whole on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/e2e" if path.startswith("tests/e2e/") else path
+
+    return ByFile(config, log)

@@ -29,6 +29,8 @@ from tests.support.procs import wait_exit
 
 pytestmark = pytest.mark.slow
 
+STREAM_TOKENS = 400
+
 
 def test_sigterm_to_a_decode_engine_drains(fleet: Fleet, make_router: Any) -> None:
     """SIGTERM to a decode engine with streams in flight: its /health turns 503 and new
@@ -36,7 +38,9 @@ def test_sigterm_to_a_decode_engine_drains(fleet: Fleet, make_router: Any) -> No
     streams finish whole, and the engine exits 0."""
     victim, p0, d0 = fleet["d_drain"], fleet["p0"], fleet["d0"]
     router = make_router([p0], [victim, d0], "--decode-policy", "round-robin")
-    streams = [open_stream(router.url, f"drain stream {i}", 120) for i in range(4)]
+    # Long enough that no stream can end between its first token and the core's SIGSTOP below,
+    # however slowly a loaded machine runs this test.
+    streams = [open_stream(router.url, f"drain stream {i}", STREAM_TOKENS) for i in range(4)]
     for s in streams:
         s.read(1)
     on_victim = [s for s in streams if s.engine == victim.url]
@@ -57,7 +61,7 @@ def test_sigterm_to_a_decode_engine_drains(fleet: Fleet, make_router: Any) -> No
     assert {r.headers["x-baton-engine"] for r in routed} == {d0.url}
     os.kill(core, signal.SIGCONT)
     ends = [s.finish() for s in streams]
-    assert all(kind == "done" and len(ids) == 120 for kind, ids in ends), ends
+    assert all(kind == "done" and len(ids) == STREAM_TOKENS for kind, ids in ends), ends
     t_streams = time.monotonic() - start
     assert victim.proc.wait(20) == 0
     record(
