@@ -31,7 +31,7 @@ from baton.engine.config import EngineArgs
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
-from baton.engine.sampling_params import SamplingParams
+from baton.engine.sampling_params import SamplingParams, resumed_seed
 from baton.engine.tokenizer import Tokenizer, load_tokenizer
 from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.params import KVTransferParams
@@ -40,6 +40,33 @@ logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT = 120.0  # starting a Python process that imports torch takes seconds
 _READY_TIMEOUT = 1800.0  # loading a real model can take minutes
+
+
+def check_resume_token_ids(
+    ids: list[int],
+    num_prompt_tokens: int,
+    params: SamplingParams,
+    max_model_len: int,
+    vocab_size: int,
+) -> None:
+    """Raises ValueError, naming the limit, for an answer the engine cannot resume: token ids
+    outside the vocabulary, more than one sample, or no room for another token (max_model_len
+    and max_tokens count the whole answer, the resumed tokens too)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"resume_token_ids has token ids outside [0, {vocab_size}): {bad[:5]}")
+    if params.n != 1:
+        raise ValueError(f"an answer can be resumed only with n=1, not n={params.n}")
+    if num_prompt_tokens + len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt ({num_prompt_tokens} tokens) and resume_token_ids ({len(ids)} tokens) "
+            f"leave no room for another token within max_model_len {max_model_len}"
+        )
+    if params.max_tokens is not None and len(ids) >= params.max_tokens:
+        raise ValueError(
+            f"resume_token_ids has {len(ids)} tokens and max_tokens ({params.max_tokens}) counts "
+            "the whole answer: there is no token left to generate"
+        )
 
 
 class EngineDeadError(RuntimeError):
@@ -188,8 +215,15 @@ class AsyncLLM:
         prompt: str | None = None,
         priority: int = 0,
         kv_transfer_params: KVTransferParams | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams cumulative snapshots of one request until it finishes.
+
+        `resume_token_ids` resumes an answer another engine began: it goes on as if this
+        engine had produced those output tokens itself (recomputed like a preempted request's;
+        `check_resume_token_ids` says what may be resumed), and the snapshots hold the whole
+        answer, those tokens first. A seeded request samples from `resumed_seed`; prompt
+        logprobs are not computed again.
 
         Bad prompts raise ValueError before anything is queued. Leaving the loop early (break,
         an exception, a cancelled task) aborts the request in the core and frees its blocks.
@@ -199,11 +233,27 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt_token_ids(prompt_token_ids, self.max_model_len, self.vocab_size)
+        resumed = resume_token_ids if resume_token_ids is not None else []
+        if resume_token_ids is not None:
+            check_resume_token_ids(
+                resumed, len(prompt_token_ids), sampling_params, self.max_model_len, self.vocab_size
+            )
+            seed = sampling_params.seed
+            sampling_params = replace(
+                sampling_params,
+                seed=None if seed is None else resumed_seed(seed, len(resumed)),
+                prompt_logprobs=None,
+            )
         children = child_requests(request_id, sampling_params)
         stream = _Stream()
         self._streams[request_id] = stream
         self.output_processor.add_request(
-            request_id, prompt, prompt_token_ids, [c for c, _ in children], sampling_params
+            request_id,
+            prompt,
+            prompt_token_ids,
+            [c for c, _ in children],
+            sampling_params,
+            resumed,
         )
         now = time.time()
         group = request_id if sampling_params.n > 1 else None
@@ -218,6 +268,7 @@ class AsyncLLM:
                     priority,
                     group,
                     kv_transfer_params,
+                    output_token_ids=resumed,
                 )
                 await self._input.send(p.encoder.encode(msg))
             while not finished:
@@ -321,3 +372,11 @@ class AsyncLLM:
     def _close_sockets(self) -> None:
         self._ctx.destroy(linger=0)  # closes every socket, the handshake's too
         self._tmp.cleanup()
+
+    def fail_all(self, error: BaseException) -> None:
+        """Ends every open request stream with `error`, raised to its reader in place of the
+        next snapshot; the reader leaving `generate` aborts the request in the core (its blocks
+        are freed), as for a client that leaves. For a server that stops before its requests
+        have finished; a stream opened later is not affected."""
+        for stream in self._streams.values():
+            stream.fail(error)

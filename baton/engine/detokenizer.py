@@ -69,7 +69,15 @@ class IncrementalDetokenizer:
             if skipped is not None:
                 self.token_ids.append(skipped)
 
-    def _update(self, new_token_ids: list[int]) -> str | None:
+    def resume(self, token_ids: list[int]) -> None:
+        """Takes the tokens another engine produced before this one resumed the answer, before
+        any other: the text, and the bytes of an unfinished character held back, are as if
+        they had come through `update`. Stop strings are not looked for in them (that engine
+        did, and the answer went on); one that ends in the new text is found, where it starts
+        in these tokens or not."""
+        self._update(token_ids, find_stops=False)
+
+    def _update(self, new_token_ids: list[int], find_stops: bool = True) -> str | None:
         for token in new_token_ids:
             self.token_ids.append(token)
             self._fed = len(self.token_ids)
@@ -79,7 +87,7 @@ class IncrementalDetokenizer:
             old_len = len(self.text)
             self.text += piece
             self._held = len(self.token_ids)
-            if self.stop and len(self.token_ids) >= self.min_tokens:
+            if find_stops and self.stop and len(self.token_ids) >= self.min_tokens:
                 stop = self._find_stop(old_len)
                 if stop is not None:
                     return stop

@@ -47,7 +47,14 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         child_ids: list[str],
         params: SamplingParams,
+        resume_token_ids: list[int] | None = None,
     ) -> None:
+        """Starts following a request. A resumed answer (`resume_token_ids`: the output another
+        engine produced, one sample) starts with those tokens: its text is theirs, stop strings
+        that end past them are found wherever they start, its token list (what usage counts)
+        holds them, and its logprob list has an empty entry for each, so that positions line
+        up (their logprobs were sent by that engine)."""
+        resumed = resume_token_ids or []
         parent = _Parent(RequestOutput(request_id, prompt, prompt_token_ids))
         for index, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
@@ -58,9 +65,13 @@ class OutputProcessor:
                 prompt_token_ids,
                 params.include_stop_str_in_output,
             )
+            detok.resume(resumed)
             want_logprobs = params.logprobs is not None
             parent.samples[child_id] = _Sample(
-                index, detok, [] if want_logprobs else None, 0.0 if want_logprobs else None
+                index,
+                detok,
+                [{} for _ in resumed] if want_logprobs else None,
+                0.0 if want_logprobs else None,
             )
             self._child_to_parent[child_id] = parent
         self._parents[request_id] = parent

@@ -65,6 +65,11 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     # the prefix cache before the others look it up.
     group_id: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # A resumed answer (the API's `resume_token_ids`): the output tokens another engine already
+    # produced. The request starts with them as its output, as a preempted request is
+    # recomputed: everything that counts output tokens counts them, and the first step computes
+    # prompt + output and samples the token after them. Empty: a new answer.
+    output_token_ids: list[int] = []
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

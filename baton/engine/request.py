@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 
 import msgspec
 
@@ -57,6 +58,7 @@ class Request:
         priority: int = 0,
         group_id: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -77,9 +79,13 @@ class Request:
         self.kv_load_tried = False  # a remote pull is tried once; a failure recomputes locally
         self.error: str | None = None  # why the engine ended it (FINISHED_ERROR)
         self.stop_reason: int | str | None = None
-        self.output_token_ids: list[int] = []
+        # A resumed answer starts with the output another engine produced (`output_token_ids`
+        # of the wire): like a preempted request it computes them again, and everything that
+        # counts output tokens (max_tokens, min_tokens, penalties, stop checks) counts them.
+        self.output_token_ids: list[int] = list(output_token_ids)
+        self.num_resumed_tokens = len(self.output_token_ids)
         # prompt + output; the model runner reads tokens [num_computed_tokens, num_tokens).
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
         self.num_computed_tokens = 0
         # Tokens scheduled to be sampled whose values are not back yet: at most one in the
         # synchronous loop, two with async scheduling (step N+1 is scheduled before N returns).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -128,6 +129,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def resumed_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request that an engine resumes at output position `position` (the
+    answer's first `position` tokens came from another engine, `resume_token_ids`).
+
+    The engine that began the answer drew `position` times from a generator seeded with
+    `seed`; those draws cannot be replayed elsewhere (they depend on the batch and the device),
+    so the continuation samples from a seed of its own: the signed 64-bit integer of
+    blake2b(f"{seed}:{position}", 8 bytes). The same request resumed at the same point samples
+    the same continuation on any engine. Position 0 keeps `seed`: nothing was drawn yet.
+    """
+    if position == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

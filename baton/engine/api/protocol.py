@@ -143,6 +143,13 @@ class _GenerationRequest(OpenAIBaseModel):
     bad_words: list[str] = Field(default_factory=list)
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # Baton's: resume an answer another engine began (the router's mid-stream migration). The
+    # output token ids the client already got; the answer goes on as if this engine had
+    # produced them (max_tokens and min_tokens count them, prompt logprobs and the echo are
+    # not sent again, a seed is derived from the original and the position), and a stream sends
+    # only what the client does not have yet: not the first chunk's fields (a chat stream's
+    # role chunk, prompt_token_ids), even for an empty list. One prompt and n=1.
+    resume_token_ids: TokenIds | None = None
     # vLLM's older names for structured outputs (deprecated there, still sent by clients)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -172,6 +179,8 @@ class _GenerationRequest(OpenAIBaseModel):
                 "guided_decoding_backend",
             )
         self.structured_outputs_params()  # a malformed constraint is a 400 before any work
+        if self.resume_token_ids is not None and self.n != 1:
+            raise APIError(400, "resume_token_ids needs n=1", "resume_token_ids")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -371,6 +380,8 @@ class CompletionRequest(_GenerationRequest):
             raise APIError(400, "suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of is not supported", "best_of")
+        if self.resume_token_ids is not None and len(self.prompts()) != 1:
+            raise APIError(400, "resume_token_ids needs a single prompt", "resume_token_ids")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: one entry per prompt, text or token ids."""

@@ -389,6 +389,16 @@ class SampleCursor:
         self.started = True
         return Delta(text, token_ids, logprobs, sample.finish_reason, sample.stop_reason)
 
+    def resume(self, num_tokens: int, text: str, text_offset: int = 0) -> None:
+        """Starts where the stream of the engine that began the answer left off, once it had
+        sent `num_tokens` tokens, whose text is `text` (a resumed answer): it had sent all of
+        it but the holdback (the text only grew, so its last chunk sent up to there), its
+        first chunk went out, and `text_offset` is where its next token's text starts."""
+        self.tokens_sent = num_tokens
+        self.text_sent = max(0, len(text) - self.holdback)
+        self.started = True
+        self.text_offset = text_offset
+
 
 def stop_holdback(stop: Sequence[str]) -> int:
     return max((len(s) for s in stop), default=1) - 1
@@ -404,7 +414,9 @@ def usage_of(outputs: Sequence[RequestOutput], prompt_tokens_details: bool = Tru
     completion = sum(len(s.token_ids) for o in outputs for s in o.outputs)
     details = None
     if prompt_tokens_details:
-        details = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+        # Prompt tokens only: a resumed answer's cache hits may reach into its output.
+        cached = sum(min(o.num_cached_tokens, len(o.prompt_token_ids)) for o in outputs)
+        details = PromptTokensDetails(cached_tokens=cached)
     return UsageInfo(
         prompt_tokens=prompt,
         completion_tokens=completion,

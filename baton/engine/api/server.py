@@ -3,9 +3,10 @@
 `build_app` makes the app (routes, error shapes, body limit, metrics) around an `EngineServer`
 (`serving`), which handles the requests. `run_server` starts the EngineCore, serves until
 SIGTERM (drain: new requests get 503, in-flight ones finish and a prefill engine's leased KV
-blocks are claimed or expire, within `shutdown_timeout`; exit 0) or until the core dies (every
-open request fails with 503 at once, exit 1, so Kubernetes restarts the pod). Its flags are
-`cli`'s; uvicorn, the read deadline and signals are `baton.http_server`'s.
+blocks are claimed or expire, within `shutdown_timeout`; what is still in flight then fails with
+503, a stream with an error event the router resumes elsewhere; exit 0) or until the core dies
+(every open request fails with 503 at once, exit 1, so Kubernetes restarts the pod). Its flags
+are `cli`'s; uvicorn, the read deadline and signals are `baton.http_server`'s.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ from baton.http_server import (
 logger = logging.getLogger(__name__)
 
 _DEAD_FLUSH_SECONDS = 2.0  # after the core died: time for open requests to send their errors
+_CUT_FLUSH_SECONDS = 2.0  # at the drain timeout: the same, for the requests it fails
+_CUT_POLL_SECONDS = 0.05  # how often those are failed again (a late one opens its stream later)
+# What a request in flight at the drain timeout ends with, as a 503: a stream as an error event
+# and `data: [DONE]` (the router resumes it on another engine), any other as the answer.
+DRAIN_TIMEOUT_MESSAGE = "the engine is shutting down (drain timeout)"
 _LEASE_POLL_SECONDS = 0.05  # how often the drain looks whether the leases have ended
 
 
@@ -242,8 +248,10 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
 
     SIGTERM (or SIGINT): stop admitting (503), let in-flight requests finish, then let leased
     KV blocks be claimed or expire (a decode engine may still pull them), all within
-    `shutdown_timeout`; exit 0. A second signal exits at once. The core's death: every open
-    request has already failed with 503; give them a moment to flush, exit 1.
+    `shutdown_timeout`; requests still in flight then fail with 503 (`DRAIN_TIMEOUT_MESSAGE`)
+    rather than a cut connection; exit 0. A second signal exits at once, cutting what is open. The
+    core's death: every open request has already failed with 503; give them a moment to flush,
+    exit 1.
     """
     llm = await AsyncLLM.start(engine_args)
     app = build_app(llm, config)
@@ -293,14 +301,33 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
 
 
 async def _drain(llm: AsyncLLM, server: EngineServer, timeout: float) -> None:
-    """Lets in-flight requests finish, then leased KV blocks be claimed, within `timeout`."""
+    """Lets in-flight requests finish, then leased KV blocks be claimed, within `timeout`.
+
+    At the timeout, the requests still in flight fail with a 503: a stream ends with it as an
+    error event and `[DONE]`, which the router takes as its cue to resume the stream on another
+    engine; any other request gets the 503 as its answer. Their engine requests are aborted
+    (their KV blocks freed), as for clients that leave.
+    """
     deadline = time.monotonic() + timeout
     if not await server.wait_idle(timeout):
         logger.warning(
-            "shutdown timeout (%.0f s): cutting %d requests", timeout, server.num_in_flight
+            "shutdown timeout (%.0f s): failing %d requests with 503", timeout, server.num_in_flight
         )
+        await _fail_in_flight(llm, server)
     elif not await _wait_leases(llm, deadline - time.monotonic()):
         logger.warning("shutdown timeout: dropping %d leased KV blocks", llm.stats.kv_blocks_leased)
+
+
+async def _fail_in_flight(llm: AsyncLLM, server: EngineServer) -> None:
+    """Fails every request in flight with a 503 (`DRAIN_TIMEOUT_MESSAGE`) and gives their answers
+    `_CUT_FLUSH_SECONDS` to go out. A request admitted but still being prepared (tokenized,
+    checked) opens its engine stream later: it is failed at a later poll."""
+    error = APIError(503, DRAIN_TIMEOUT_MESSAGE)
+    deadline = time.monotonic() + _CUT_FLUSH_SECONDS
+    while True:
+        llm.fail_all(error)
+        if await server.wait_idle(_CUT_POLL_SECONDS) or time.monotonic() >= deadline:
+            return
 
 
 async def _wait_leases(llm: AsyncLLM, timeout: float) -> bool:

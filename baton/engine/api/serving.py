@@ -32,14 +32,15 @@ from baton.engine.api import responses as r
 from baton.engine.api.metrics import EngineMetrics
 from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, collect, merge
 from baton.engine.api.tools import ChoiceParser, ToolConfig
-from baton.engine.async_llm import AsyncLLM
+from baton.engine.async_llm import AsyncLLM, check_resume_token_ids
+from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
 from baton.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.engine.structured.backend import GrammarCompiler
 from baton.errors import APIError
 from baton.kv_transfer.keyring import KeyRing
-from baton.kv_transfer.params import KVTransferParams
+from baton.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
 
 # Prompts of more characters than this are tokenized off the event loop: below it, the hop to a
 # thread costs more than the tokenization (about 1 MB/s here, so ~16 ms at the bound).
@@ -326,7 +327,9 @@ class EngineServer:
             self._check_prompt(ids, "prompt")
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = self.tokenizer.decode(ids)
-            inputs.append(((text, ids), req.to_sampling_params(max_tokens)))
+            params = req.to_sampling_params(max_tokens)
+            self._check_resume(req, ids, params)
+            inputs.append(((text, ids), params))
         await self._finish_params(req, [params for _, params in inputs])
         response_id, created = f"cmpl-{client_id or p.random_id()}", int(time.time())
         streams, release = self._open(
@@ -348,6 +351,14 @@ class EngineServer:
             )
         holdback = r.stop_holdback(req.stop_list())
         cursors = [[r.SampleCursor(holdback) for _ in range(req.n)] for _ in streams]
+        if req.resume_token_ids is not None:  # one prompt, n=1
+            (_, ids), params = inputs[0]
+            offset = 0
+            if req.logprobs is not None:  # where the first stream's logprobs left off
+                shown = (ids if req.echo else []) + req.resume_token_ids
+                offset = sum(len(self.decode_token(t)) for t in shown)
+            resumed_text = self._resumed_text(ids, req.resume_token_ids, params)
+            cursors[0][0].resume(len(req.resume_token_ids), resumed_text, offset)
         echo_only = req.echo_only()
 
         def chunk(choices: list[r.CompletionChoice], **extra: Any) -> str:
@@ -418,6 +429,7 @@ class EngineServer:
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
         params = req.to_sampling_params(max_tokens)
+        self._check_resume(req, ids, params)
         params.structured_outputs = tools.constraint(
             req, mode, req.structured_outputs_params(), self._think_end_ids(mode)
         )
@@ -453,6 +465,13 @@ class EngineServer:
         parsers = [ChoiceParser(mode) for _ in range(req.n)]
         texts = [""] * req.n
         plain = mode.tool_parser is None and mode.reasoning is None
+        resumed = req.resume_token_ids
+        if resumed is not None:  # n=1: go on from what the first stream sent
+            resumed_text = self._resumed_text(ids, resumed, params)
+            cursors[0].resume(len(resumed), resumed_text)
+            texts[0] = resumed_text[: cursors[0].text_sent]
+            if not plain:  # its state as if it had parsed that; what it says went out before
+                parsers[0].advance(texts[0], final=False)
 
         def chunks(_: int, out: RequestOutput) -> Iterator[str]:
             for sample in out.outputs:
@@ -490,9 +509,10 @@ class EngineServer:
                 usage = self._chunk_usage(req, len(ids), cursors[sample.index].tokens_sent)
                 yield chunk([r.ChatStreamChoice(**choice)], **usage)
 
-        # OpenAI opens each choice with the assistant role and empty content.
+        # OpenAI opens each choice with the assistant role and empty content (once: a resumed
+        # answer's client has it).
         head = []
-        for index in range(req.n):
+        for index in range(req.n if resumed is None else 0):
             role = r.DeltaMessage(role="assistant", content="")
             choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
@@ -506,6 +526,38 @@ class EngineServer:
         return self.tokenizer.encode(mode.reasoning.end, add_special_tokens=False)
 
     # -- both --
+
+    def _check_resume(
+        self,
+        req: p.CompletionRequest | p.ChatCompletionRequest,
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """A resumed answer's token ids against the vocabulary, the prompt and the params."""
+        if req.resume_token_ids is None:
+            return
+        try:
+            check_resume_token_ids(
+                req.resume_token_ids,
+                len(prompt_ids),
+                params,
+                self.llm.max_model_len,
+                self.llm.vocab_size,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), "resume_token_ids") from None
+
+    def _resumed_text(
+        self, prompt_ids: list[int], resume_token_ids: list[int], params: SamplingParams
+    ) -> str:
+        """The text of a resumed answer's tokens as the engine that produced them had it (an
+        unfinished character's bytes held back): what its stream had sent is all of it but
+        the stop-string holdback."""
+        detok = IncrementalDetokenizer(
+            self.tokenizer, [], params.skip_special_tokens, 0, prompt_ids
+        )
+        detok.resume(resume_token_ids)
+        return detok.text
 
     @staticmethod
     def _chunk_usage(
@@ -528,10 +580,23 @@ class EngineServer:
     ) -> tuple[list[PromptStream], Callable[[], None]]:
         """Admits the request and starts one engine request per prompt; the call returned ends
         the admission's tracking."""
+        resumed = req.resume_token_ids
+        handing_off = any(
+            (req.kv_transfer_params or {}).get(k) for k in (DO_REMOTE_DECODE, DO_REMOTE_PREFILL)
+        )
+        if resumed is not None and handing_off:
+            raise APIError(
+                400,
+                "resume_token_ids cannot be combined with kv_transfer_params that hand off KV: "
+                "a resumed answer computes its prompt and output on this engine",
+                "resume_token_ids",
+            )
         kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
         release = self._admit()
         streams = [
-            PromptStream(self.llm, self.metrics, rid, prompt, params, req.priority, kv_params)
+            PromptStream(
+                self.llm, self.metrics, rid, prompt, params, req.priority, kv_params, resumed
+            )
             for rid, (prompt, params) in zip(request_ids, inputs, strict=True)
         ]
         return streams, release

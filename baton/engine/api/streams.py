@@ -31,6 +31,7 @@ class PromptStream:
         params: SamplingParams,
         priority: int,
         kv_transfer_params: KVTransferParams | None = None,
+        resume_token_ids: list[int] | None = None,  # a resumed answer's (`AsyncLLM.generate`)
     ) -> None:
         text, ids = prompt
         self._gen = llm.generate(
@@ -40,8 +41,12 @@ class PromptStream:
             prompt=text,
             priority=priority,
             kv_transfer_params=kv_transfer_params,
+            resume_token_ids=resume_token_ids,
         )
         self._timer = RequestTimer(metrics, len(ids), params.n)
+        # The snapshots of a resumed answer start with its resumed tokens: another engine
+        # generated them (and counted them), so the metrics count from there.
+        self._timer.num_tokens = len(resume_token_ids or [])
         self._closed = False
         self.last: RequestOutput | None = None
 

@@ -16,7 +16,11 @@ class NewRequestData:
     """A request the worker has not seen: sent in full once."""
 
     req_id: str
-    prompt_token_ids: list[int]  # the prompt only; the worker appends what it samples
+    prompt_token_ids: list[int]
+    # The output it starts with: empty, or a resumed answer's tokens from another engine. The
+    # worker keeps prompt + output and appends what it samples; penalties and min_tokens read
+    # the output part.
+    output_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]  # every block the request holds, in order
     num_computed_tokens: int  # tokens already in the cache (prefix-cache hits)

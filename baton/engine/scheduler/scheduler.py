@@ -86,6 +86,7 @@ class Scheduler:
                 f"prompt is {request.num_prompt_tokens} tokens, more than max_model_len "
                 f"{self.config.max_model_len}"
             )
+        self._check_resumed(request)
         params = request.sampling_params.structured_outputs
         if params is not None:
             if self.structured is None:
@@ -96,12 +97,26 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
+    def _check_resumed(self, request: Request) -> None:
+        """A resumed answer must leave room for one more token (the server checks first)."""
+        num_output = request.num_output_tokens
+        if not num_output:
+            return
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt and resumed output are {request.num_tokens} tokens, which leaves no "
+                f"room below max_model_len {self.config.max_model_len}"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
+            raise ValueError(f"{num_output} resumed output tokens reach max_tokens {max_tokens}")
+
     def take_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests ended outside `update_from_output`, once."""
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+    def _fail(self, request: Request, error: str, error_status: int = 503) -> EngineCoreOutput:
         """Ends a request with an error; it must be out of `running` and `waiting` already."""
         request.status = RequestStatus.FINISHED_ERROR
         request.error = error
@@ -112,7 +127,19 @@ class Scheduler:
             finish_reason="error",
             error=error,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            error_status=error_status,
         )
+
+    def _replay_output(self, request: Request) -> str | None:
+        """Feeds the output a request starts with (a resumed answer's) to its just-compiled
+        grammar, in order, as if it had sampled it here; why the grammar refused a token, or
+        None. A request that starts with no output has nothing to feed."""
+        for token in request.output_token_ids:
+            if not self._structured.accept(request.request_id, token):
+                why = self._structured.error(request.request_id) or "the grammar refused it"
+                logger.warning("request %s (resumed token %d): %s", request.request_id, token, why)
+                return f"structured outputs: resumed token {token}: {why}"
+        return None
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Ends requests from outside the step (aborts, stop strings found by the detokenizer)."""
@@ -306,6 +333,11 @@ class Scheduler:
                     logger.warning("grammar of request %s failed: %s", request.request_id, error)
                     self._outputs.append(self._fail(request, error))
                     continue
+                refused = self._replay_output(request)
+                if refused is not None:
+                    self.waiting.pop()
+                    self._outputs.append(self._fail(request, refused, error_status=400))
+                    continue
                 request.status = RequestStatus.WAITING
             leader = self._group_leaders.get(request.group_id or "")
             if leader is not None and leader is not request:
@@ -356,6 +388,7 @@ class Scheduler:
                     NewRequestData(
                         req_id=request.request_id,
                         prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
                         sampling_params=request.sampling_params,
                         block_ids=block_ids,
                         num_computed_tokens=request.num_computed_tokens,
@@ -571,9 +604,10 @@ def _output(
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
-        # On the first output token only (the empty "stop" after a whole grammar has none).
+        # On the first token this engine sampled only (the empty "stop" after a whole grammar
+        # has none).
         queue_time=_queue_time(request)
-        if request.num_output_tokens == 1 and new_token_ids
+        if request.num_output_tokens == request.num_resumed_tokens + 1 and new_token_ids
         else None,
         kv_transfer_params=kv_params,
     )

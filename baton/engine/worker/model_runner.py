@@ -193,7 +193,7 @@ class ModelRunner:
                 generator.manual_seed(new.sampling_params.seed)
             state = CachedRequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),

@@ -61,6 +61,7 @@ class AnswerLLM(FakeLLM):
         prompt: str | None = None,
         priority: int = 0,
         kv_transfer_params: dict | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.seen.append((request_id, prompt_token_ids, sampling_params))
         processor = OutputProcessor(self.tokenizer)

@@ -190,6 +190,7 @@ class FakeLLM:
         prompt: str | None = None,
         priority: int = 0,
         kv_transfer_params: dict | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         check_prompt_token_ids(prompt_token_ids, self.max_model_len, 512)
         self.seen.append((request_id, prompt_token_ids, sampling_params))
