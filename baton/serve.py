@@ -5,7 +5,9 @@ until every engine is healthy while passing their start-up logs through (model l
 sizing), then starts `baton router` in front of them and prints the endpoint with an example.
 Ctrl-C or SIGTERM stops the router, then the engines (each drains), then kills what lingers; a
 second signal kills at once. A process that dies during start-up stops the rest, and the exit
-code is non-zero. Engine and router flags given to `baton serve` are passed on to them.
+code is non-zero; an engine that dies later is restarted on its port, as Kubernetes restarts a
+pod, and the router's health checks find it again. Engine and router flags given to `baton
+serve` are passed on to them.
 
 `--api-key` (or $BATON_API_KEY) turns keys on: the router requires it from clients and the
 engines from the router (the same key, as the router's upstream key). It reaches the children
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import signal
@@ -38,6 +41,11 @@ from baton.router.cli import UPSTREAM_API_KEY_ENV, add_routing_args
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
 _POLL_SECONDS = 0.2
 _PROGRESS_SECONDS = 5.0
+# An engine that dies is restarted after a backoff that doubles while it keeps dying (a crash
+# loop must not eat the machine) and starts small again once it stayed up for a while.
+_RESTART_MIN_SECONDS = 1.0
+_RESTART_MAX_SECONDS = 30.0
+_RESTART_STABLE_SECONDS = 60.0
 # Engine flags `baton serve` sets itself for each engine. The keys go by environment; TLS is
 # left out: the engines talk plain HTTP to a router on the same machine.
 _OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys", "kv_secret_file"}
@@ -243,16 +251,30 @@ class Child:
     def exited(self) -> bool:
         return self.proc is not None and self.proc.returncode is not None
 
+    async def exit_code(self) -> int:
+        """Its exit code, once it has exited. Polled: `Process.wait` (Python 3.11) waits for
+        the output pipe to close too, which a process it started may hold open."""
+        while self.proc is None or self.proc.returncode is None:
+            await asyncio.sleep(_POLL_SECONDS)
+        return self.proc.returncode
+
     def signal(self, sig: signal.Signals) -> None:
         """SIGTERM to the child (an engine stops its own core process); SIGKILL to its whole
         process group (the core too)."""
         if self.proc is None or self.proc.returncode is not None:
             return
+        if sig == signal.SIGKILL:
+            self.kill_group()
+            return
         with contextlib.suppress(ProcessLookupError):
-            if sig == signal.SIGKILL:
-                os.killpg(self.proc.pid, sig)
-            else:
-                self.proc.send_signal(sig)
+            self.proc.send_signal(sig)
+
+    def kill_group(self) -> None:
+        """SIGKILL to the child's process group: what it started too, even once it has exited
+        itself (the group lives on while any of them does)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def wait(self, timeout: float) -> bool:
         if self.proc is None:
@@ -407,21 +429,45 @@ class Supervisor:
         )
 
     async def _watch(self) -> int:
-        """Until a signal (exit 0) or the router's death (exit 1); engines that die are
-        reported and left to the router's health checks."""
-        reported: set[str] = set()
-        while not self.stopping.is_set():
-            if self.router is not None and self.router.exited:
-                _say("the router exited; stopping the engines")
-                return 1
-            for child in self.engines:
-                if child.exited and child.name not in reported:
-                    reported.add(child.name)
-                    assert child.proc is not None
-                    _say(f"{child.name} exited with code {child.proc.returncode}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), 0.5)
-        return 0
+        """Until a signal (exit 0) or the router's death (exit 1), restarting engines that die.
+
+        The restarts are cancelled before anything is stopped: a signal during a backoff starts
+        no new engine."""
+        restarts = [asyncio.create_task(self._keep_alive(child)) for child in self.engines]
+        try:
+            while not self.stopping.is_set():
+                if self.router is not None and self.router.exited:
+                    _say("the router exited; stopping the engines")
+                    return 1
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), 0.5)
+            return 0
+        finally:
+            for task in restarts:
+                task.cancel()
+            await asyncio.gather(*restarts, return_exceptions=True)
+
+    async def _keep_alive(self, child: Child) -> None:
+        """Restarts `child` on its port with its flags each time it exits, after a backoff of
+        `_RESTART_MIN_SECONDS` doubling to `_RESTART_MAX_SECONDS`, which starts over once it
+        stayed up `_RESTART_STABLE_SECONDS`."""
+        backoff = _RESTART_MIN_SECONDS
+        for restart in itertools.count(1):
+            up_since = time.monotonic()
+            code = await child.exit_code()
+            if time.monotonic() - up_since >= _RESTART_STABLE_SECONDS:
+                backoff = _RESTART_MIN_SECONDS
+            # Its EngineCore leaves on its own only when it next looks for its parent, and a
+            # busy or stuck one would hold the accelerator (and the output pipe) meanwhile.
+            child.kill_group()
+            await child.wait(2)
+            _say(
+                f"{child.name} exited with code {code}; restarting in {backoff:.0f} s "
+                f"(restart {restart})"
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _RESTART_MAX_SECONDS)
+            await child.start()
 
     async def _stop_all(self) -> None:
         """The router first (no new requests), then the engines (they drain), then SIGKILL."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import re
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from baton import serve
 from baton.engine.api.cli import add_server_args
 from tests.support.ports import free_port
+from tests.support.procs import children, wait_exit
 from tests.support.thread_server import scrape
 
 pytestmark = pytest.mark.slow
@@ -105,7 +108,8 @@ def _engine_pid(url: str) -> int:
                 words = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"engine" in words and port.encode() in words:
+            flags = list(itertools.pairwise(words))
+            if b"engine" in words and (b"--port", port.encode()) in flags:
                 return int(entry.name)
     raise AssertionError(f"no engine process for {url}")
 
@@ -248,13 +252,15 @@ def test_parse_returns_a_parsed_object_through_serve(disaggregated: Serve) -> No
 @needs_roles
 def test_killing_engines_mid_run(disaggregated: Serve) -> None:
     """Kill one of two decode engines during streams: no request hangs, new requests go to the
-    other. Then kill the prefill engine: requests are served decode-only, and counted.
+    other. Then kill the prefill engine: requests are served decode-only, and counted. Both
+    checks run before serve's restart can bring the killed engine back (its backoff and model
+    load take seconds); then the router finds both healthy again.
     (Runs last in this module: it kills engines of the shared deployment.)"""
     url = disaggregated.url
     decodes = [e["url"] for e in disaggregated.engines() if e["role"] == "decode"]
     victim, survivor = decodes
 
-    async def streams() -> list[str]:
+    async def streams() -> tuple[list[str], list[httpx.Response]]:
         async with httpx.AsyncClient(timeout=30) as client:
 
             async def one(i: int) -> str:
@@ -267,12 +273,15 @@ def test_killing_engines_mid_run(disaggregated: Serve) -> None:
             tasks = [asyncio.create_task(one(i)) for i in range(4)]
             await asyncio.sleep(1.0)
             os.killpg(_engine_pid(victim), signal.SIGKILL)
-            return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            after = []
+            for i in range(4):
+                body = {"model": "tiny", "prompt": f"after {i} {PROMPT}", "max_tokens": 4}
+                after.append(await client.post(f"{url}/v1/completions", json=body))
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30), after
 
-    assert asyncio.run(streams()) == ["data: [DONE]"] * 4  # each ended, none hangs
-    for i in range(4):
-        body = {"model": "tiny", "prompt": f"after {i} {PROMPT}", "max_tokens": 4}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    ends, after = asyncio.run(streams())
+    assert ends == ["data: [DONE]"] * 4  # each ended, none hangs
+    for r in after:
         assert r.status_code == 200, r.text
         assert r.headers["x-baton-engine"] == survivor
     prefill = next(e["url"] for e in disaggregated.engines() if e["role"] == "prefill")
@@ -283,6 +292,10 @@ def test_killing_engines_mid_run(disaggregated: Serve) -> None:
         answer = _completion(url, f"no prefill {i}: {PROMPT}")
         assert len(answer["choices"][0]["token_ids"]) == 12
     assert scrape(url, fallback, outcome="decode_only_fallback") - before == 3
+    deadline = time.monotonic() + 120
+    while not all(e["healthy"] for e in disaggregated.engines()):
+        assert time.monotonic() < deadline, f"not restarted:\n{disaggregated.log()}"
+        time.sleep(0.2)
 
 
 def test_aggregated_engines_serve_and_stop_cleanly(tiny_model: Any, tmp_path: Path) -> None:
@@ -331,6 +344,57 @@ def test_an_engine_failing_at_start_up_stops_everything(tmp_path: Path) -> None:
     assert s.proc.wait(120) != 0
     log = s.log()
     assert "exited with code" in log and "during start-up" in log and "max_model_len" in log
+
+
+def test_an_engine_that_dies_is_restarted(tiny_model: Any, tmp_path: Path) -> None:
+    """SIGKILL to an engine's API server, its EngineCore stopped (so it cannot leave on its
+    own): serve kills the orphaned core, starts the engine again on its port, and the router
+    sends it requests again. A second death waits out a doubled backoff, and SIGINT during it
+    starts no engine: serve exits 0 with no engine left."""
+    model = Path(tiny_model("llama"))
+    s = Serve(tmp_path / "serve.log", "--model", str(model), "--served-model-name", "tiny",
+              "--engines", "1", "--eject-seconds", "1", *ENGINE_FLAGS)  # fmt: skip
+    core = None
+    try:
+        s.wait_ready()
+        (engine,) = s.engines()
+        url = engine["url"]
+        pid = _engine_pid(url)
+        (core,) = children(pid)
+        os.kill(core, signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        wait_exit(core, 10)
+        deadline = time.monotonic() + 120
+        while not _restarted(s, url, pid):
+            assert time.monotonic() < deadline, f"not serving again:\n{s.log()}"
+            time.sleep(0.2)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200 and r.headers["x-baton-engine"] == url, r.text
+        assert "engine-0 exited with code -9; restarting in 1 s (restart 1)" in s.log()
+        os.killpg(_engine_pid(url), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while "restarting in 2 s (restart 2)" not in s.log():
+            assert time.monotonic() < deadline, s.log()
+            time.sleep(0.05)
+    finally:
+        code = s.stop()
+        if core is not None:  # stopped: it would outlive a failed test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core, signal.SIGKILL)
+    assert code == 0, s.log()
+    with pytest.raises(AssertionError, match="no engine process"):
+        _engine_pid(url)
+
+
+def _restarted(s: Serve, url: str, old_pid: int) -> bool:
+    """A new engine process serves `url`, and the router lists it healthy (its health checks
+    found it again, if they had noticed it was gone)."""
+    try:
+        if _engine_pid(url) == old_pid or httpx.get(f"{url}/health").status_code != 200:
+            return False
+        return any(e["url"] == url and e["healthy"] for e in s.engines())
+    except (httpx.HTTPError, AssertionError):  # AssertionError: no engine process yet
+        return False
 
 
 def test_serve_flags_reach_the_router_and_the_engines(monkeypatch: pytest.MonkeyPatch) -> None:
