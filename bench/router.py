@@ -6,6 +6,10 @@ Three processes share the machine: the fake engine (tests/support/fake_engine.py
 to the engine and once through the router, at concurrency 1 and 64; a request's latency is from
 sending it to its last byte. Added latency is the router's percentile minus the direct one.
 
+Two routers run side by side: one as deployed (streams migratable: each engine event's token
+ids kept, and taken out for the client) and one with `--migration-limit 0` (events passed on
+untouched), so the cost of migration's bookkeeping is a ratio of the same run.
+
     python bench/router.py [--requests 2000] [--max-tokens 16] [--json out.json]
 """
 
@@ -120,8 +124,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
-    engine_port, router_port = _free_port(), _free_port()
-    engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
+    engine_port = _free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
     engine = _start(
         [
             sys.executable,
@@ -134,31 +138,34 @@ def main() -> None:
         ],
         engine_url,
     )
-    router = _start(
-        [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router",
-         "--host", "127.0.0.1", "--port", str(router_port), "--engine", engine_url,
-         "--policy", args.policy],
-        router_url,
-    )  # fmt: skip
+    routers = {}
+    for name, limit in (("router", "3"), ("no-migration", "0")):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        routers[name] = (url, _start(
+            [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router",
+             "--host", "127.0.0.1", "--port", str(port), "--engine", engine_url,
+             "--policy", args.policy, "--migration-limit", limit],
+            url,
+        ))  # fmt: skip
     results: dict[str, dict[str, float]] = {}
     try:
         for concurrency, requests in ((1, max(200, args.requests // 4)), (64, args.requests)):
-            for name, url, pid in (
-                ("direct", engine_url, engine.pid),
-                ("router", router_url, router.pid),
-            ):
+            targets = [("direct", engine_url, engine.pid)]
+            targets += [(name, url, proc.pid) for name, (url, proc) in routers.items()]
+            for name, url, pid in targets:
                 results[f"{name}@{concurrency}"] = _measure(
                     url, concurrency, requests, args.max_tokens, pid
                 )
     finally:
-        for proc in (router, engine):
+        for proc in [p for _, p in routers.values()] + [engine]:
             proc.terminate()
             proc.wait(10)
 
-    print(f"{'':12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'CPU ms/req':>10}")
+    print(f"{'':16} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'CPU ms/req':>10}")
     for key, r in results.items():
         print(
-            f"{key:12} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['requests_per_s']:8.0f} "
+            f"{key:16} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['requests_per_s']:8.0f} "
             f"{r['cpu_ms_per_request']:10.2f}"
         )
     summary: dict[str, float] = {}
@@ -172,6 +179,15 @@ def main() -> None:
             f"concurrency {c:2}: router adds {summary[f'added_p50_ms@{c}']:.2f} ms at p50, "
             f"{summary[f'added_p99_ms@{c}']:.2f} ms at p99 (p99 x{summary[f'p99_ratio@{c}']:.2f}); "
             f"requests/s x{summary[f'rps_ratio@{c}']:.2f} of direct"
+        )
+        on, off = v, results[f"no-migration@{c}"]
+        summary[f"migration_cpu_ratio@{c}"] = on["cpu_ms_per_request"] / off["cpu_ms_per_request"]
+        summary[f"migration_p99_ratio@{c}"] = on["p99_ms"] / off["p99_ms"]
+        print(
+            f"concurrency {c:2}: migration bookkeeping: router CPU per request "
+            f"x{summary[f'migration_cpu_ratio@{c}']:.2f} ({on['cpu_ms_per_request']:.3f} vs "
+            f"{off['cpu_ms_per_request']:.3f} ms with --migration-limit 0), p99 "
+            f"x{summary[f'migration_p99_ratio@{c}']:.2f}"
         )
     router64 = results["router@64"]
     print(

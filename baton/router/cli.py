@@ -70,6 +70,12 @@ def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
         default=c.max_retries,
         help="other engines tried when one fails before the first byte",
     )
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=c.migration_limit,
+        help="times a stream moves to another engine when its engine fails mid-stream (0: never)",
+    )
     parser.add_argument("--request-timeout", type=float, default=c.request_timeout)
     parser.add_argument("--connect-timeout", type=float, default=c.connect_timeout)
     parser.add_argument("--max-connections", type=int, default=c.max_connections)

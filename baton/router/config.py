@@ -41,6 +41,9 @@ class RouterConfig:
     connect_timeout: float = 2.0
     max_connections: int = 1024  # upstream connections, all engines together
     max_body_bytes: int = 10 << 20  # a larger request body gets 413 before it is read
+    # Times one stream may move to another engine when its engine fails mid-stream (NVIDIA
+    # Dynamo's --migration-limit); 0: a broken stream ends with an error event.
+    migration_limit: int = 3
 
     # -- health --
     health_interval: float = 1.0  # active /health checks and /metrics scrapes, per engine
@@ -84,6 +87,7 @@ class RouterConfig:
             ("prefix_load_weight", self.prefix_load_weight),
             ("disagg_min_tokens", self.disagg_min_tokens),
             ("max_retries", self.max_retries),
+            ("migration_limit", self.migration_limit),
             ("eject_seconds", self.eject_seconds),
         )
         for field, number in non_negative:

@@ -23,6 +23,8 @@ DisaggOutcome = Literal[
     "disaggregated", "skipped_short", "skipped_cached", "decode_only_fallback", "failed"
 ]
 DISAGG_OUTCOMES: tuple[DisaggOutcome, ...] = get_args(DisaggOutcome)
+MigrationOutcome = Literal["resumed", "failed", "limit_reached"]
+MIGRATION_OUTCOMES: tuple[MigrationOutcome, ...] = get_args(MigrationOutcome)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0]  # fmt: skip
@@ -111,6 +113,14 @@ class RouterMetrics:
             registry=reg,
         )
         self._disagg = {o: disagg.labels(o) for o in DISAGG_OUTCOMES}
+        migrations = Counter(
+            "baton:router_migrations",
+            "Streams moved to another engine after theirs failed mid-stream: resumed there, "
+            "failed (no engine could take it), or limit_reached (--migration-limit).",
+            ["outcome"],
+            registry=reg,
+        )
+        self._migrations = {o: migrations.labels(o) for o in MIGRATION_OUTCOMES}
 
         def latency(name: str, doc: str) -> dict[str, Histogram]:
             histogram = Histogram(name, doc, ["route"], registry=reg, buckets=_LATENCY_BUCKETS)
@@ -139,6 +149,9 @@ class RouterMetrics:
 
     def disagg_decision(self, outcome: DisaggOutcome) -> None:
         self._disagg[outcome].inc()
+
+    def migration(self, outcome: MigrationOutcome) -> None:
+        self._migrations[outcome].inc()
 
     def duration(self, route: str, seconds: float) -> None:
         _observe(self._duration, route, seconds)

@@ -7,9 +7,11 @@ backpressure, not failure: the next engine is tried and, if every engine tried a
 so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is.
 
 Once an answer's first bytes are in, the engine is committed: a stream is passed through chunk
-by chunk as it arrives, never buffered, and a stream that breaks later ends with an error event
-and `data: [DONE]` rather than a hang. A whole answer reaches the client without the engine's
-`kv_transfer_params` (where an engine's KV blocks wait is the router's business alone).
+by chunk as it arrives, never buffered. A stream that breaks later (its connection, an error
+event, no `data: [DONE]`) migrates to another engine when it can (`migration`); otherwise it
+ends with an error event and `data: [DONE]` rather than a hang. A whole answer reaches the
+client without the engine's `kv_transfer_params` (where an engine's KV blocks wait is the
+router's business alone).
 
 Every attempt carries the engines' key and TLS settings (`UpstreamAuth`), whatever headers
 its caller passed: the client's `Authorization` never reaches an engine.
@@ -33,6 +35,7 @@ from baton.router.config import RouterConfig
 from baton.router.engines import EngineState
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
+from baton.router.migration import Migrator, StreamLog, error_message
 from baton.router.upstream_auth import UpstreamAuth
 
 logger = logging.getLogger(__name__)
@@ -127,7 +130,8 @@ class Upstream:
                 return answer
             pushed_back = answer.body
         if pushed_back is not None:
-            raise APIError(429, _message(pushed_back) or "every engine is over its queue bound")
+            message = error_message(pushed_back) or "every engine is over its queue bound"
+            raise APIError(429, message)
         if not tried:
             raise APIError(503, none_available)
         raise APIError(
@@ -178,7 +182,7 @@ class Upstream:
             raise
         response.release()
         if status in _RETRYABLE:
-            raise _Failed(f"status_{status}", f"answered {status}: {_message(body)}")
+            raise _Failed(f"status_{status}", f"answered {status}: {error_message(body)}")
         return Answer(engine, status, content_type, body)
 
     def response(
@@ -187,8 +191,11 @@ class Upstream:
         route: str,
         started: float,
         extra_headers: Mapping[str, str] | None = None,
+        migrator: Migrator | None = None,
+        log: StreamLog | None = None,
     ) -> Response:
-        """The client's response for `answer`; a stream's end releases the engine."""
+        """The client's response for `answer`; a stream's end releases the engine. A stream
+        with a `migrator` (and the `log` of its events) moves to another engine if it breaks."""
         headers = {"x-baton-engine": answer.engine.url, **(extra_headers or {})}
         if answer.stream is None or answer.chunks is None:
             self.metrics.duration(route, time.perf_counter() - started)
@@ -199,12 +206,14 @@ class Upstream:
                 media_type=answer.content_type,
             )
         self.metrics.first_byte(route, time.perf_counter() - started)
-        return _PassThrough(self, answer, answer.chunks, route, started, headers)
+        return _PassThrough(self, answer, route, started, headers, migrator, log)
 
 
 class _PassThrough(Response):
     """An engine's event stream, sent on chunk by chunk as it arrives. Its end, or the
     client's departure, closes the engine connection and releases the engine exactly once.
+    With a `Migrator`, a stream that breaks goes on from another engine (each released in
+    turn).
 
     Not Starlette's StreamingResponse: that runs a task group per response and a generator
     per chunk, which at 64 streams on two cores cost more than everything else the router
@@ -216,16 +225,18 @@ class _PassThrough(Response):
         self,
         upstream: Upstream,
         answer: Answer,
-        chunks: AsyncIterator[bytes],
         route: str,
         started: float,
         headers: Mapping[str, str],
+        migrator: Migrator | None,
+        log: StreamLog | None,
     ) -> None:
         self._upstream = upstream
         self._answer = answer
-        self._chunks = chunks
         self._route = route
         self._started = started
+        self._migrator = migrator
+        self._log = log
         self._client_gone = False
         self.status_code = answer.status
         self.media_type = answer.content_type
@@ -239,25 +250,56 @@ class _PassThrough(Response):
         finally:
             watcher.cancel()
             self._release()
+            self._upstream.metrics.duration(self._route, time.perf_counter() - self._started)
 
     async def _pump(self, send: Send) -> None:
-        answer = self._answer
-        await send({"type": "http.response.start", "status": answer.status,
+        await send({"type": "http.response.start", "status": self._answer.status,
                     "headers": self.raw_headers})  # fmt: skip
-        await send({"type": "http.response.body", "body": answer.first_chunk, "more_body": True})
-        try:
-            async for chunk in self._chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as e:
-            if self._client_gone:
-                return
-            engine = answer.engine
-            logger.warning("stream from %s broke: %s: %s", engine.url, type(e).__name__, e)
+        end = b""
+        while (why := await self._relay(send)) is not None and not self._client_gone:
+            engine = self._answer.engine
+            logger.warning("stream from %s broke: %s", engine.url, why)
             self._upstream.health.on_failure(engine, "stream")
-            error = APIError(502, f"the engine's stream broke: {type(e).__name__}")
-            await send({"type": "http.response.body", "body": error.sse() + _DONE,
-                        "more_body": True})  # fmt: skip
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            log, migrator = self._log, self._migrator
+            if log is not None and log.finished:  # the answer is whole: only [DONE] is missing
+                end = _DONE
+                break
+            try:
+                if migrator is None or log is None:
+                    raise APIError(502, f"the engine's stream broke: {why}")
+                answer = await migrator.resume(engine, log, why)
+            except APIError as error:
+                end = error.sse() + _DONE
+                break
+            self._release()
+            self._answer = answer
+            if self._client_gone:
+                break  # left while the new engine was found: released on the way out
+        await send({"type": "http.response.body", "body": end, "more_body": False})
+
+    async def _relay(self, send: Send) -> str | None:
+        """Sends the current engine's stream on; None when it ended well, else what broke."""
+        answer, log = self._answer, self._log
+        assert answer.chunks is not None
+        try:
+            if not await self._forward(send, answer.first_chunk):
+                return f"the engine sent an error: {log.error if log else ''}"
+            async for chunk in answer.chunks:
+                if not await self._forward(send, chunk):
+                    return f"the engine sent an error: {log.error if log else ''}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return f"{type(e).__name__}: {e}"
+        if log is not None and not log.done:
+            return "the stream ended before data: [DONE]"
+        return None
+
+    async def _forward(self, send: Send, chunk: bytes) -> bool:
+        """Sends `chunk` on (what of it the log lets through); False at an error event."""
+        log = self._log
+        out = chunk if log is None else log.feed(chunk)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
+        return log is None or log.error is None
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -277,7 +319,6 @@ class _PassThrough(Response):
             stream.release()  # the connection goes back to the pool
         else:
             stream.close()  # cut midway: the connection cannot be reused
-        self._upstream.metrics.duration(self._route, time.perf_counter() - self._started)
 
 
 def without_kv_params(body: bytes | None) -> bytes | None:
@@ -293,14 +334,3 @@ def without_kv_params(body: bytes | None) -> bytes | None:
         return body  # the words were in the text, not a field
     del answer["kv_transfer_params"]
     return json.dumps(answer).encode()
-
-
-def _message(body: bytes | None) -> str:
-    """The `error.message` of an engine's OpenAI-shaped error body, else the body's start."""
-    if not body:
-        return ""
-    try:
-        error = json.loads(body).get("error", {})
-        return str(error.get("message", "")) if isinstance(error, dict) else str(error)
-    except (ValueError, AttributeError):
-        return body[:200].decode(errors="replace")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from baton.router.engines import (
 from baton.router.handoff import Handoff
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
+from baton.router.migration import RESUME_TOKEN_IDS, Migrator, StreamLog
 from baton.router.policies import Policy, RoundRobin, make_policy, session_choice
 from baton.router.prefix_index import PrefixIndex
 from baton.router.prompts import Prompt, prompt_of
@@ -49,15 +51,29 @@ _FORWARDED_HEADERS = ("x-request-id", "authorization")
 # set it (a client's would make an engine connect where the client says, or hand the client
 # engine coordinates), and an engine's answer never shows it to a client.
 KV_TRANSFER_PARAMS = "kv_transfer_params"
+# What only the router sends engines: the KV hand-off's params, and a migrated stream's tokens.
+_ROUTER_FIELDS = (KV_TRANSFER_PARAMS, RESUME_TOKEN_IDS)
+RETURN_TOKEN_IDS = "return_token_ids"
 
 
 def client_body(raw: bytes, body: dict[str, Any]) -> bytes:
-    """`raw` without the client's `kv_transfer_params` (popped from `body` too); unchanged, not
-    re-encoded, when it has none."""
-    if KV_TRANSFER_PARAMS not in body:
+    """`raw` without the fields only the router may set (popped from `body` too); unchanged,
+    not re-encoded, when it has none."""
+    if not any(f in body for f in _ROUTER_FIELDS):
         return raw
-    del body[KV_TRANSFER_PARAMS]
+    for field in _ROUTER_FIELDS:
+        body.pop(field, None)
     return json.dumps(body).encode()
+
+
+def with_token_ids(raw: bytes, body: dict[str, Any]) -> bytes:
+    """`raw` asking the engine for each event's token ids (`body` too). The field is appended
+    to the bytes, not re-encoded: a repeated key's last value is the one JSON readers keep."""
+    body[RETURN_TOKEN_IDS] = True
+    raw = raw.rstrip()
+    if len(body) == 1 or not raw.endswith(b"}"):
+        return json.dumps(body).encode()
+    return raw[:-1] + b',"return_token_ids":true}'
 
 
 @dataclass
@@ -74,6 +90,10 @@ class Routed:
     headers: dict[str, str]  # what goes to the engines
     started: float  # time.perf_counter() at arrival
     request: Request
+    # A stream that may move to another engine if its engine fails (one prompt, n=1); its
+    # engines send token ids, which the client sees only if it asked for them.
+    migratable: bool = False
+    client_token_ids: bool = False
 
 
 class Router:
@@ -174,20 +194,35 @@ class Router:
             raise APIError(400, "the body must be a JSON object")
         headers = {"content-type": "application/json"}
         headers |= {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        # One id for every engine of the request (and so one response id when a stream moves).
+        headers.setdefault("x-request-id", uuid.uuid4().hex)
         raw = client_body(raw, body)
+        prompt = prompt_of(body)
+        stream = bool(body.get("stream", False))
+        client_token_ids = bool(body.get(RETURN_TOKEN_IDS, False))
+        migratable = (
+            stream
+            and self.config.migration_limit > 0
+            and prompt.num_prompts == 1
+            and body.get("n") in (None, 1)
+        )
+        if migratable:
+            raw = with_token_ids(raw, body)
         return Routed(
             route=route,
             body=body,
             raw=raw,
             model=self.resolve_model(body.get("model")),
-            stream=bool(body.get("stream", False)),
+            stream=stream,
             session_id=request.headers.get("x-session-id")
             if self.config.session_affinity
             else None,
-            prompt=prompt_of(body),
+            prompt=prompt,
             headers=headers,
             started=time.perf_counter(),
             request=request,
+            migratable=migratable,
+            client_token_ids=client_token_ids,
         )
 
     def resolve_model(self, model: object) -> str:
@@ -296,7 +331,19 @@ class Router:
             answer = await send
         else:  # a client that leaves stops the engine's work (the engine aborts on close)
             answer = await cancel_on_disconnect(routed.request, send)
-        return self.upstream.response(answer, routed.route, routed.started, extra_headers)
+        headers = {"x-request-id": routed.headers["x-request-id"], **(extra_headers or {})}
+        if not (routed.migratable and answer.stream is not None):
+            return self.upstream.response(answer, routed.route, routed.started, headers)
+        # A stream that moves goes on among the engines of `roles` (a decode engine computes
+        # the prompt itself, without a new hand-off).
+        return self.upstream.response(
+            answer,
+            routed.route,
+            routed.started,
+            headers,
+            Migrator(self, routed, roles, policy),
+            StreamLog(strip_token_ids=not routed.client_token_ids),
+        )
 
     async def forward_any(self, route: str, request: Request) -> Response:
         """/tokenize and /detokenize: any available engine of the model."""

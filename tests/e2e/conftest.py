@@ -224,6 +224,7 @@ class Stream:
 
     def __init__(self, url: str, payload: dict[str, Any], timeout: float = 30) -> None:
         self.client = httpx.Client(timeout=timeout)
+        self.payload = payload
         self.cm = self.client.stream("POST", f"{url}/v1/completions", json=payload)
         self.response = self.cm.__enter__()
         assert self.response.status_code == 200, self.response.read()

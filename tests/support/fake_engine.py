@@ -71,6 +71,11 @@ def _prompt_text(body: dict[str, Any]) -> str:
     return json.dumps(body.get("prompt"))
 
 
+def _compact(event: dict[str, Any]) -> str:
+    """A chunk written as Baton's and vLLM's engines write them (pydantic: no spaces)."""
+    return json.dumps(event, separators=(",", ":"))
+
+
 def token_text(prompt_key: int, i: int) -> str:
     """The i-th generated token of the prompt with `prompt_key`."""
     return f" t{(prompt_key + 7919 * i) % 1000}"
@@ -92,6 +97,9 @@ class FakeEngine:
         self.itl = 0.0  # seconds between tokens
         self.fail_status: int | None = None  # answer generation requests with this status
         self.break_after_chunks: int | None = None  # a stream dies after this many chunks
+        # A stream ends with an error event of this code after `break_after_chunks` instead
+        # (a draining engine's 503, or a client's 4xx).
+        self.error_event_code: int | None = None
         self.healthy = True
         self.running = 0.0  # vllm:num_requests_running reported on top of in-flight requests
         self.waiting = 0.0
@@ -212,6 +220,9 @@ class FakeEngine:
             if failed and policy == "fail":
                 return _error(503, f"the KV pull failed ({failed}); policy fail")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        # A resumed stream goes on after the tokens given (token i's id is i), as an engine
+        # does; usage counts the whole answer.
+        start = len(body.get("resume_token_ids") or [])
         texts = [token_text(key, i) for i in range(int(max_tokens))]
         usage = {
             "prompt_tokens": len(prompt) // 4,
@@ -221,7 +232,13 @@ class FakeEngine:
         if body.get("stream"):
             include_usage = (body.get("stream_options") or {}).get("include_usage", False)
             return StreamingResponse(
-                self._events(chat, texts, usage if include_usage else None),
+                self._events(
+                    chat,
+                    texts,
+                    usage if include_usage else None,
+                    start,
+                    bool(body.get("return_token_ids")),
+                ),
                 media_type="text/event-stream",
             )
         self.in_flight += 1
@@ -310,7 +327,12 @@ class FakeEngine:
     # -- streaming --
 
     async def _events(
-        self, chat: bool, texts: list[str], usage: dict[str, int] | None
+        self,
+        chat: bool,
+        texts: list[str],
+        usage: dict[str, int] | None,
+        start: int = 0,
+        token_ids: bool = False,
     ) -> AsyncIterator[bytes]:
         cid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -320,24 +342,33 @@ class FakeEngine:
         try:
             await asyncio.sleep(self.ttft)
             for i, text in enumerate(texts):
-                if i:
+                if i < start:
+                    continue
+                if i > start:
                     await asyncio.sleep(self.itl)
                 if self.break_after_chunks is not None and sent >= self.break_after_chunks:
-                    raise ConnectionAbortedError("fake engine stream broken on purpose")
+                    if self.error_event_code is None:
+                        raise ConnectionAbortedError("fake engine stream broken on purpose")
+                    error = {"message": "fake engine error event", "code": self.error_event_code}
+                    yield f"data: {json.dumps({'object': 'error', 'error': error})}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
                 last = i == len(texts) - 1
                 choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
                 if chat:
                     choice["delta"] = {"content": text}
                 else:
                     choice["text"] = text
+                if token_ids:
+                    choice["token_ids"] = [i]
                 event = {"id": cid, "object": kind, "created": created, "model": self.model}
                 event["choices"] = [choice]
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                yield f"data: {_compact(event)}\n\n".encode()
                 sent += 1
             if usage is not None:
                 event = {"id": cid, "object": kind, "created": created, "model": self.model}
                 event.update(choices=[], usage=usage)
-                yield f"data: {json.dumps(event)}\n\n".encode()
+                yield f"data: {_compact(event)}\n\n".encode()
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             self.disconnects += 1
