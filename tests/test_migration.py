@@ -40,7 +40,8 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     s = Serve(
         tmp_path_factory.mktemp("migration") / "serve.log",
         "--model", str(model), "--served-model-name", "tiny", "--prefill", "1", "--decode", "2",
-        "--policy", "round-robin", "--eject-seconds", "1", *ENGINE_FLAGS,
+        "--policy", "round-robin", "--eject-seconds", "1", "--shutdown-timeout", "1",
+        *ENGINE_FLAGS,
     )  # fmt: skip
     s.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))  # type: ignore[attr-defined]
     try:
@@ -138,9 +139,13 @@ class _Paced:
 
 
 def _stream_killed(
-    stack: Serve, route: str, body: dict[str, Any], kill_after: int
+    stack: Serve,
+    route: str,
+    body: dict[str, Any],
+    kill_after: int,
+    kill: Callable[[str], None] = _kill,
 ) -> tuple[str, list[int], list[dict[str, Any]], int]:
-    """Streams through the router and kills the serving decode engine once the client has
+    """Streams through the router and `kill`s the serving decode engine once the client has
     `kill_after` tokens; returns the whole text, token ids and chunks the client got, and how
     many tokens it had at the kill (where the stream moved)."""
     body = {**body, "stream": True, "return_token_ids": True}
@@ -171,7 +176,7 @@ def _stream_killed(
         assert len(ids()) >= kill_after, "the stream ended before the kill point"
         assert engine[0] in paced.urls, (engine, paced.urls)
         killed_at = len(ids())
-        _kill(engine[0])
+        kill(engine[0])
     reader.join(60)
     assert not reader.is_alive()
     text = ""
@@ -201,6 +206,24 @@ def test_a_killed_decode_engine_does_not_end_the_stream(
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["baton_migrations"] == 1
     assert _migrations(stack) == before + 1
+
+
+def test_a_drained_engine_hands_its_stream_over(stack: Serve) -> None:
+    """SIGTERM to the decode engine serving a stream, whose shutdown timeout (1 s) is shorter
+    than the stream: at the timeout the engine says in-band that it is going away (a 503 error
+    event), and the stream goes on from the other decode engine, whole."""
+    route = "/v1/chat/completions"
+    body = _body(route, max_tokens=200)
+    want_text, want_ids = _single(stack, route, body)
+
+    def drain(url: str) -> None:
+        os.kill(_engine_pid(url), signal.SIGTERM)
+        time.sleep(3)  # its core stopped: the stream outlasts the timeout, then the 503 event
+
+    text, ids, chunks, _ = _stream_killed(stack, route, body, 6, drain)
+    assert ids == want_ids and text == want_text
+    assert chunks[-1]["baton_migrations"] == 1
+    assert "shutting down (drain timeout)" in stack.log()
 
 
 def test_a_cut_between_the_bytes_of_a_character(stack: Serve) -> None:
