@@ -230,22 +230,21 @@ def test_a_cut_between_the_bytes_of_a_character(stack: Serve) -> None:
     """The kill lands where the tokens so far end inside a multi-byte character: the text the
     client gets is still the single engine's, character for character."""
     route = "/v1/completions"
-    body = _body(route, prompt="接力赛跑的运动员在交接区传递接力棒，然后")
+    body = _body(route, prompt="接力赛跑的运动员在交接区传递接力棒，然后", max_tokens=200)
     want_text, want_ids = _single(stack, route, body)
     tokenizer: Tokenizer = stack.tokenizer  # type: ignore[attr-defined]
-    splits = [
+    inside = [
         k for k in range(1, len(want_ids) - 8)
         if tokenizer.decode(want_ids[:k]).endswith("\ufffd")
-        and not tokenizer.decode(want_ids[: k + 1]).endswith("\ufffd")
     ]  # fmt: skip
-    assert splits, "the answer has no character split over tokens: choose another prompt"
-    for k in splits[:5]:  # a burst of the paced engine may run past k: then the next split
+    assert inside, "the answer has no character split over tokens: choose another prompt"
+    for k in inside[:: max(1, len(inside) // 8)][:8]:
+        # A burst of the paced engine may run past k (to a whole character): the next k.
         text, ids, chunks, killed_at = _stream_killed(stack, route, body, k)
         assert ids == want_ids and text == want_text
-        assert chunks[-1]["baton_migrations"] == 1
-        if tokenizer.decode(want_ids[:killed_at]).endswith("\ufffd"):
+        if chunks[-1].get("baton_migrations") == 1 and killed_at in inside:
             return
-    raise AssertionError(f"no kill landed inside a character (splits {splits[:5]})")
+    raise AssertionError("no kill landed inside a character")
 
 
 def test_a_cut_inside_a_stop_string(stack: Serve) -> None:
@@ -255,7 +254,7 @@ def test_a_cut_inside_a_stop_string(stack: Serve) -> None:
     body = _body(route)
     full_text, full_ids = _single(stack, route, body)
     tokenizer: Tokenizer = stack.tokenizer  # type: ignore[attr-defined]
-    for cut in (10, 16, 22, 28):  # a burst of the paced engine may run past the stop: next
+    for cut in (10, 15, 20, 25, 30, 35):  # a burst of the paced engine may run past the stop
         at = len(tokenizer.decode(full_ids[:cut]))
         stop = full_text[at - 3 : at + 3]
         if len(stop) < 6 or full_text.find(stop) != at - 3:
@@ -277,7 +276,7 @@ def test_a_whole_answer_survives_its_engine(stack: Serve, route: str) -> None:
     """Not streamed: the decode engine computing the answer is killed; the router sends the
     request again (nothing reached the client) and the client gets one answer, the single
     engine's."""
-    body = _body(route, max_tokens=200)
+    body = _body(route, max_tokens=120)
     want_text, want_ids = _single(stack, route, body)
     urls = _all_healthy(stack)
     answer: dict[str, Any] = {}
