@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.models.tiny import default_model_path
-from baton.engine.tokenizer import load_tokenizer
+from baton.tokenizer import load_tokenizer
 
 LENGTHS = (64, 512, 2048)
 STOPS = {"none": [], "3 stops": ["\n\nUser:", "<|stop|>", "### End"]}

@@ -43,7 +43,7 @@ import llguidance.numpy as llg_numpy
 from baton.engine.models.tiny import write_tiny_model
 from baton.engine.sampling_params import StructuredOutputsParams
 from baton.engine.structured.backend import GrammarCompiler
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 
 PERSON = {
     "type": "object",

@@ -32,9 +32,9 @@ from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.sampling_params import SamplingParams, resumed_seed
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
 from baton.kv_transfer.fingerprint import Fingerprint
 from baton.kv_transfer.params import KVTransferParams
+from baton.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,7 @@ class AsyncLLM:
         priority: int = 0,
         kv_transfer_params: KVTransferParams | None = None,
         resume_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams cumulative snapshots of one request until it finishes.
 
@@ -223,7 +224,8 @@ class AsyncLLM:
         engine had produced those output tokens itself (recomputed like a preempted request's;
         `check_resume_token_ids` says what may be resumed), and the snapshots hold the whole
         answer, those tokens first. A seeded request samples from `resumed_seed`; prompt
-        logprobs are not computed again.
+        logprobs are not computed again. `cache_salt` starts the prompt's block hashes: requests
+        with different salts never share prefix-cache blocks.
 
         Bad prompts raise ValueError before anything is queued. Leaving the loop early (break,
         an exception, a cancelled task) aborts the request in the core and frees its blocks.
@@ -269,6 +271,7 @@ class AsyncLLM:
                     group,
                     kv_transfer_params,
                     output_token_ids=resumed,
+                    cache_salt=cache_salt,
                 )
                 await self._input.send(p.encoder.encode(msg))
             while not finished:

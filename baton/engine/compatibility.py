@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from baton.engine.tokenizer import chat_template_of
 from baton.kv_transfer.fingerprint import Fingerprint
+from baton.tokenizer import chat_template_of
 
 _SAMPLE_BYTES = 64
 # config.json keys that say how a file was written, not what the model computes

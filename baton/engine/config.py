@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from baton.kv_events import KVEventsConfig
 from baton.kv_transfer.base import KVTransferConfig
 
 _DEVICES = ("auto", "cpu", "cuda")
@@ -68,6 +69,8 @@ class EngineArgs:
     # tensor_parallel_size 1, mp above.
     distributed_executor_backend: str | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    # vLLM's `--kv-events-config`: publish the prefix cache's changes over ZMQ. None: off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -100,6 +103,11 @@ class EngineArgs:
                 "distributed_executor_backend 'uni' runs one process: tensor_parallel_size "
                 f"{self.tensor_parallel_size} needs 'mp'"
             )
+        events = self.kv_events_config
+        if events is not None and events.enabled:
+            for endpoint in (events.endpoint, events.replay_endpoint):
+                if endpoint is not None and endpoint.startswith("tcp://"):
+                    _check_fixed_port(endpoint)
         kvt = self.kv_transfer
         if kvt is not None and kvt.port and kvt.port + self.tensor_parallel_size > 65536:
             raise ValueError(
@@ -108,8 +116,23 @@ class EngineArgs:
             )
 
     @property
+    def kv_events_enabled(self) -> bool:
+        return self.kv_events_config is not None and self.kv_events_config.enabled
+
+    @property
     def executor_backend(self) -> str:
         """The executor in effect: the one asked for, else by tensor_parallel_size."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "mp" if self.tensor_parallel_size > 1 else "uni"
+
+
+def _check_fixed_port(endpoint: str) -> None:
+    """A KV events endpoint needs a port that subscribers know beforehand: the router reads it
+    from /health and connects to it, so a port the system picks (0 or `*`) is refused."""
+    port = endpoint.rpartition(":")[2]
+    if not port.isdigit() or int(port) == 0:
+        raise ValueError(
+            f"kv-events-config: {endpoint!r} needs a fixed port (port 0 or '*' is not "
+            "supported: subscribers must know the port)"
+        )

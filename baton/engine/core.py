@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from baton.engine.executor import Executor, make_executor
 from baton.engine.executor.base import StepResult
 from baton.engine.executor.uniproc import UniProcExecutor
 from baton.engine.kv_cache.manager import KVCacheConfig
+from baton.engine.kv_cache.publisher import KVEventPublisher
 from baton.engine.models.config import ModelConfig, parse_dtype
 from baton.engine.models.loader import weight_files
 from baton.engine.models.tensor_parallel import ShardLayout
@@ -26,6 +28,7 @@ from baton.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 if TYPE_CHECKING:
     from baton.engine.structured.manager import StructuredOutputManager
 from baton.engine.worker.model_runner import ModelRunner, RunnerConfig
+from baton.kv_events import AllBlocksCleared
 from baton.kv_transfer.base import KVConnectorRole, KVWorkerHalf
 from baton.kv_transfer.connector import PullConnector
 from baton.kv_transfer.params import cdiv
@@ -148,9 +151,21 @@ class EngineCore:
                 num_blocks=self.num_blocks,
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
+                enable_kv_cache_events=args.kv_events_enabled,
             ),
             connector,
         )
+        self.kv_events: KVEventPublisher | None = None
+        if args.kv_events_config is not None and args.kv_events_enabled:
+            try:
+                self.kv_events = KVEventPublisher(args.kv_events_config)
+            except BaseException:
+                self.shutdown()
+                raise
+            # An engine dropped without `shutdown` (an `LLM` collected) frees its ports too.
+            weakref.finalize(self, self.kv_events.shutdown)
+            # Whatever a subscriber held for this engine (a previous process's) is gone.
+            self.kv_events.publish([AllBlocksCleared()])
         logger.info(
             "engine ready: %s on %s (%s), tensor_parallel_size %d, %d KV blocks of %d tokens, "
             "attention=%s",
@@ -213,7 +228,7 @@ class EngineCore:
         per-vocabulary set-up: hundreds of ms)."""
         from baton.engine.structured.backend import GrammarCompiler
         from baton.engine.structured.manager import StructuredOutputManager
-        from baton.engine.tokenizer import load_tokenizer
+        from baton.tokenizer import load_tokenizer
 
         args = self.args
         tokenizer = load_tokenizer(args.tokenizer or self.model_path, args.chat_template)
@@ -238,10 +253,27 @@ class EngineCore:
         """Raises `WorkerDiedError` if a worker process is gone."""
         self.executor.check_health()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache (False, changing nothing, while any block is in use); the
+        subscribers of KV events hear of it at once."""
+        done = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         self.executor.shutdown()
+
+    def _publish_kv_events(self) -> None:
+        """One batch of what the prefix cache's hash map went through since the last one."""
+        if self.kv_events is None:
+            return
+        events = self.scheduler.kv.take_events()
+        if events:
+            self.kv_events.publish(events)
 
     def step(self) -> EngineCoreOutputs | None:
         """One turn of the busy loop: schedule and run the model (if any request is unfinished),
@@ -271,6 +303,7 @@ class EngineCore:
             if kv_output or self.scheduler.kv_refused:
                 kv_ended = True
                 outputs += self.scheduler.update_from_kv_output(kv_output)
+        self._publish_kv_events()
         if not (num_tokens or outputs or kv_ended):
             return None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(num_tokens))

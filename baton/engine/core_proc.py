@@ -186,7 +186,7 @@ class BusyLoop:
     def _utility(self, call: p.UtilityCall) -> p.UtilityResult:
         result: Any = None
         if call.method == "reset_prefix_cache":
-            result = self.core.scheduler.reset_prefix_cache()
+            result = self.core.reset_prefix_cache()
         elif call.method == "shutdown":
             self.running = False
         else:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from baton.engine.tokenizer import Tokenizer
+from baton.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineCoreRequest
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -38,6 +38,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache; False, changing nothing, while a request holds blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -50,7 +54,8 @@ class LLM:
         `ValueError` naming it and leaves the engine untouched; so are the token ids its params
         carry (logit_bias, allowed_token_ids, bad_words_token_ids). The whole sampling surface
         (docs/sampling.md) goes to the engine as given, `prompt_logprobs` and
-        `include_stop_str_in_output` included.
+        `include_stop_str_in_output` included. A dict prompt may carry a `cache_salt` (vLLM's
+        prompt key): prompts with different salts never share prefix-cache blocks.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -66,6 +71,7 @@ class LLM:
                 )
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         inputs = [self._tokenize(p, i) for i, p in enumerate(prompts)]
+        salts = [_cache_salt(p, i) for i, p in enumerate(prompts)]
         vocab_size = self.engine.model_config.vocab_size
         for i, ((_, ids), params) in enumerate(zip(inputs, params_list, strict=True)):
             try:
@@ -74,8 +80,10 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         request_ids = []
-        for (text, ids), params, prio in zip(inputs, params_list, priorities, strict=True):
-            request_ids.append(self._add_request(text, ids, params, prio))
+        for (text, ids), params, prio, salt in zip(
+            inputs, params_list, priorities, salts, strict=True
+        ):
+            request_ids.append(self._add_request(text, ids, params, prio, salt))
         return self._run(request_ids)
 
     def chat(
@@ -114,7 +122,12 @@ class LLM:
         return text, ids
 
     def _add_request(
-        self, text: str | None, ids: list[int], params: SamplingParams, priority: int
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None = None,
     ) -> str:
         request_id = str(next(self._counter))
         children = child_requests(request_id, params)
@@ -123,7 +136,9 @@ class LLM:
         now = time.time()
         for child_id, child_params in children:
             self.engine.add_request(
-                EngineCoreRequest(child_id, ids, child_params, now, priority, group)
+                EngineCoreRequest(
+                    child_id, ids, child_params, now, priority, group, cache_salt=cache_salt
+                )
             )
         return request_id
 
@@ -141,6 +156,14 @@ class LLM:
                 if output.finished:
                     results[output.request_id] = output
         return [results[r] for r in request_ids]
+
+
+def _cache_salt(prompt: PromptType, index: int) -> str | None:
+    """A dict prompt's `cache_salt`, checked as the API checks it."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"prompt {index}: cache_salt must be a non-empty string")
+    return salt
 
 
 def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -10,7 +10,7 @@ from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from baton.engine.protocol import EngineCoreOutput
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import Tokenizer
+from baton.tokenizer import Tokenizer
 
 
 @dataclass

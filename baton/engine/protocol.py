@@ -70,6 +70,9 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     # recomputed: everything that counts output tokens counts them, and the first step computes
     # prompt + output and samples the token after them. Empty: a new answer.
     output_token_ids: list[int] = []
+    # vLLM's `cache_salt`: starts the chain of the prompt's block hashes, so that requests with
+    # different salts (tenants) never share prefix-cache blocks. None: unsalted.
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -59,6 +59,7 @@ class Request:
         group_id: str | None = None,
         kv_transfer_params: KVTransferParams | None = None,
         output_token_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -92,7 +93,9 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
         self.first_scheduled_time: float | None = None
-        # Block hashes of the full blocks of all_token_ids, extended as tokens are appended.
+        # Block hashes of the full blocks of all_token_ids, extended as tokens are appended; the
+        # first block's chain starts at the salt (`baton.block_hash.salt_root`).
+        self.cache_salt = cache_salt
         self.block_hashes: list[bytes] = []
 
     @classmethod

@@ -12,7 +12,7 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
 
 from baton.engine.detokenizer import IncrementalDetokenizer
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.tokenizer_folders import smollm2_folder, spiece_folder
 
 UNICODE = "ünïcødé ✓ 漢字 🎉 👩‍👩‍👧 naïve"  # multi-byte characters split over byte tokens

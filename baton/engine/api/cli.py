@@ -15,6 +15,7 @@ from baton.engine.api.server import ServerConfig, serve
 from baton.engine.api.tool_parsers import TOOL_PARSERS
 from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs, StructuredOutputsConfig
 from baton.http_server import add_listen_args, api_keys_from_args
+from baton.kv_events import KVEventsConfig, parse_config
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
 from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, default_secret_file
 from baton.kv_transfer.params import FAILURE_POLICIES
@@ -68,6 +69,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="JSON, vLLM's keys: backend (auto|guidance), disable_any_whitespace (default true "
         "here: compact JSON), disable_additional_properties (default false)",
+    )
+    parser.add_argument(
+        "--kv-events-config",
+        type=_kv_events_json,
+        default=None,
+        help="JSON, vLLM's keys: publish the prefix cache's changes over ZMQ, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558"}\' (docs/kv-events.md)',
     )
     parser.add_argument(
         "--distributed-executor-backend",
@@ -165,6 +174,19 @@ def _structured_outputs_json(text: str) -> str:
     return text
 
 
+def _kv_events_config(text: str | None) -> KVEventsConfig | None:
+    return None if text is None else parse_config(text)
+
+
+def _kv_events_json(text: str) -> str:
+    """The flag's JSON, checked; kept as text so that `baton serve` passes it on as given."""
+    try:
+        parse_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--kv-events-config: ")) from None
+    return text
+
+
 def _chat_template(value: str) -> str:
     """`--chat-template`: the value itself when it reads as a template, else a file's contents."""
     if "{{" in value or "{%" in value:
@@ -184,6 +206,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         args,
         kv_transfer=_kv_transfer_config(args),
         structured_outputs_config=_structured_outputs_config(args.structured_outputs_config),
+        kv_events_config=_kv_events_config(args.kv_events_config),
     )
     server = from_args(
         ServerConfig,

@@ -150,6 +150,10 @@ class _GenerationRequest(OpenAIBaseModel):
     # only what the client does not have yet: not the first chunk's fields (a chat stream's
     # role chunk, prompt_token_ids), even for an empty list. One prompt and n=1.
     resume_token_ids: TokenIds | None = None
+    # vLLM's: starts the chain of the prompt's prefix-cache block hashes, so that requests
+    # with different salts (tenants) never share cached blocks, nor learn from their time to
+    # first token what another's prompts were.
+    cache_salt: str | None = None
     # vLLM's older names for structured outputs (deprecated there, still sent by clients)
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
@@ -181,6 +185,8 @@ class _GenerationRequest(OpenAIBaseModel):
         self.structured_outputs_params()  # a malformed constraint is a 400 before any work
         if self.resume_token_ids is not None and self.n != 1:
             raise APIError(400, "resume_token_ids needs n=1", "resume_token_ids")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise APIError(400, "cache_salt must be a non-empty string", "cache_salt")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage

@@ -190,6 +190,12 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
             return APIError(503, "draining" if server.draining else "the engine is dead").response()
         return JSONResponse(server.health())
 
+    @app.get("/baton/tokenizer")
+    async def tokenizer() -> Response:
+        """The tokenizer this engine tokenizes with (tokenizer.json, named special tokens, chat
+        templates): the router's copy, so that its block hashes are this engine's."""
+        return JSONResponse(server.tokenizer.to_wire())
+
     @app.get("/v1/models", response_model=r.ModelList)
     async def models() -> r.ModelList:
         return server.models()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from pydantic import BaseModel
 
+from baton.block_hash import HASH_SCHEME
 from baton.engine.api import constraints, tools
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
@@ -76,6 +78,7 @@ class EngineServer:
         self._validator_lock = threading.Lock()
         self.max_waiting_requests = max_waiting_requests
         self.tokenizer = llm.tokenizer
+        self._instance = uuid.uuid4().hex  # this process, in /health's kv_events
         self.trust_request_chat_template = trust_request_chat_template
         self._tokenize_pool = ThreadPoolExecutor(_TOKENIZE_THREADS, thread_name_prefix="tokenize")
         self.model_name = served_model_name or llm.model_path.name
@@ -207,6 +210,27 @@ class EngineServer:
             # Engines hand KV over only between equal fingerprints; the router pairs by it.
             "fingerprint": fp.digest if fp is not None else None,
             "compatibility": msgspec.to_builtins(fp) if fp is not None else None,
+            # What the router needs to hash prompts as this engine's prefix cache does.
+            "block_size": self.llm.args.block_size,
+            "hash": HASH_SCHEME,
+            "kv_events": self._kv_events(),
+        }
+
+    def _kv_events(self) -> dict[str, Any] | None:
+        """Where this engine publishes its KV cache events (the endpoints as configured: a
+        subscriber keeps the port and uses the engine's own host); None when it does not."""
+        events = self.llm.args.kv_events_config
+        if events is None or not events.enabled:
+            return None
+        return {
+            "endpoint": events.endpoint,
+            "replay_endpoint": events.replay_endpoint,
+            "topic": events.topic,
+            "block_size": self.llm.args.block_size,
+            "hash": HASH_SCHEME,
+            # A new process numbers its batches from 0 again: a subscriber that sees another
+            # instance starts over rather than wait for the next batch to tell it.
+            "instance": self._instance,
         }
 
     def _kv_transfer_params(
@@ -595,7 +619,15 @@ class EngineServer:
         release = self._admit()
         streams = [
             PromptStream(
-                self.llm, self.metrics, rid, prompt, params, req.priority, kv_params, resumed
+                self.llm,
+                self.metrics,
+                rid,
+                prompt,
+                params,
+                req.priority,
+                kv_params,
+                resumed,
+                req.cache_salt,
             )
             for rid, (prompt, params) in zip(request_ids, inputs, strict=True)
         ]

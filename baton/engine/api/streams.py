@@ -32,6 +32,7 @@ class PromptStream:
         priority: int,
         kv_transfer_params: KVTransferParams | None = None,
         resume_token_ids: list[int] | None = None,  # a resumed answer's (`AsyncLLM.generate`)
+        cache_salt: str | None = None,
     ) -> None:
         text, ids = prompt
         self._gen = llm.generate(
@@ -42,6 +43,7 @@ class PromptStream:
             priority=priority,
             kv_transfer_params=kv_transfer_params,
             resume_token_ids=resume_token_ids,
+            cache_salt=cache_salt,
         )
         self._timer = RequestTimer(metrics, len(ids), params.n)
         # The snapshots of a resumed answer start with its resumed tokens: another engine

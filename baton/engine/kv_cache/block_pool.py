@@ -1,24 +1,16 @@
-"""The pool of paged KV blocks: reference counts, the free queue, and the prefix-cache hash map."""
+"""The pool of paged KV blocks: reference counts, the free queue, and the prefix-cache hash map.
+
+With KV cache events on, the pool records every change of the hash map as vLLM's events
+(`baton.kv_events`): replayed in order they give exactly the hashes in `cached_blocks`, which is
+what the router's index relies on.
+"""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 
-import numpy as np
-
-BlockHash = bytes
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one full block: equal hashes mean equal prefixes, not just equal blocks.
-
-    sha256 rather than Python's `hash()`: a collision would serve another prompt's KV, and the
-    router (a different process) must compute the same value.
-    """
-    h = hashlib.sha256(parent_hash or b"")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.digest()[:16]
+from baton.block_hash import BlockHash, external_hash
+from baton.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 class KVCacheBlock:
@@ -88,7 +80,9 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """Owns every block; hands out free ones, evicting cached free blocks in LRU order."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, enable_kv_cache_events: bool = False
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -96,6 +90,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Changes of `cached_blocks` not yet taken; None when events are off (one check on the
+        # hot path).
+        self.events: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,14 +110,20 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"asked for {num_blocks} blocks, {self.num_free_blocks} free")
         blocks = []
+        events = self.events
+        evicted: list[int] = []
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict: its contents are about to be overwritten
                 if self.cached_blocks.get(block.block_hash) is block:
                     del self.cached_blocks[block.block_hash]
+                    if events is not None:
+                        evicted.append(external_hash(block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+        if evicted and events is not None:
+            events.append(BlockRemoved(evicted))
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -140,12 +143,42 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Marks a full, computed block as reusable under `block_hash` (first writer wins)."""
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Marks a full, computed block as reusable under `block_hash` (first writer wins).
+        True when the hash entered the map (no other block held it)."""
         if block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self.cached_blocks.setdefault(block_hash, block)
+        return self.cached_blocks.setdefault(block_hash, block) is block
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        start: int,
+        end: int,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        """Caches one request's blocks [start, end) under their hashes; `token_ids` are the
+        request's. With events on, each run of blocks that entered the map is one BlockStored,
+        its parent the hash of the block before it (None for a request's first block, salted
+        or not: vLLM sends only a real block's hash)."""
+        events = self.events
+        if events is None:
+            for i in range(start, end):
+                self.cache_block(blocks[i], block_hashes[i])
+            return
+        run_start: int | None = None
+        for i in range(start, end):
+            if self.cache_block(blocks[i], block_hashes[i]):
+                if run_start is None:
+                    run_start = i
+            elif run_start is not None:
+                events.append(_stored(block_hashes, run_start, i, token_ids, block_size))
+                run_start = None
+        if run_start is not None:
+            events.append(_stored(block_hashes, run_start, end, token_ids, block_size))
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use."""
@@ -154,4 +187,29 @@ class BlockPool:
         self.cached_blocks.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first (none when events are off)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+
+def _stored(
+    block_hashes: Sequence[BlockHash],
+    start: int,
+    end: int,
+    token_ids: Sequence[int],
+    block_size: int,
+) -> BlockStored:
+    """The event of blocks [start, end) of one request entering the map."""
+    return BlockStored(
+        block_hashes=[external_hash(h) for h in block_hashes[start:end]],
+        parent_block_hash=external_hash(block_hashes[start - 1]) if start else None,
+        token_ids=list(token_ids[start * block_size : end * block_size]),
+        block_size=block_size,
+    )

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from baton.engine.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from baton.block_hash import block_hashes
+from baton.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from baton.engine.request import Request
+from baton.kv_events import KVCacheEvent
 from baton.kv_transfer.params import cdiv
 
 
@@ -16,6 +18,7 @@ class KVCacheConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = False  # record the hash map's changes (`take_events`)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -38,7 +41,9 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig) -> None:
         self.block_size = config.block_size
         self.enable_caching = config.enable_prefix_caching
-        self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(
+            config.num_blocks, config.enable_prefix_caching, config.enable_kv_cache_events
+        )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already registered in the hash map.
         self._num_cached_blocks: dict[str, int] = {}
@@ -55,12 +60,14 @@ class KVCacheManager:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request) -> None:
-        hashes = request.block_hashes
-        tokens = request.all_token_ids
-        bs = self.block_size
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        """Hashes the request's new full blocks; its first block's chain starts at its salt."""
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes = block_hashes(
+                request.all_token_ids,
+                self.block_size,
+                request.cache_salt,
+                start=request.block_hashes,
+            )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in whole blocks; side-effect free on the pool.
@@ -138,8 +145,9 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.pool.cache_full_blocks(
+            blocks, request.block_hashes, start, num_full, request.all_token_ids, self.block_size
+        )
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -152,3 +160,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call (KV cache events; none when off)."""
+        return self.pool.take_events()

@@ -26,7 +26,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
 from baton.engine.config import StructuredOutputsConfig
 from baton.engine.sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
-from baton.engine.tokenizer import Tokenizer
+from baton.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from baton.engine.processor import child_requests
 from baton.engine.protocol import EngineCoreOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.engine.structured.backend import strict_json_schema
-from baton.engine.tokenizer import Tokenizer
+from baton.tokenizer import Tokenizer
 from tests.engine.api.test_protocol import FakeLLM, _call, _error, _events, char_tokenizer
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -62,6 +62,7 @@ class AnswerLLM(FakeLLM):
         priority: int = 0,
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.seen.append((request_id, prompt_token_ids, sampling_params))
         processor = OutputProcessor(self.tokenizer)

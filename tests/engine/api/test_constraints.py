@@ -390,7 +390,7 @@ def test_the_grammar_compilers_errors_name_the_request_field(tiny_model: Any) ->
     """With the real compiler (llguidance over the tiny model's tokenizer): each problem is a
     400 naming the field the client wrote, not the engine's name for it."""
     from baton.engine.structured.backend import GrammarCompiler
-    from baton.engine.tokenizer import load_tokenizer
+    from baton.tokenizer import load_tokenizer
 
     compiler = GrammarCompiler(load_tokenizer(tiny_model("llama")), 512, [2])
     bad = {"type": "object", "properties": {"x": {"type": "bogus"}}}

@@ -23,9 +23,9 @@ from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
 from baton.engine.protocol import EngineCoreOutput, EngineStats, LogprobsEntry
 from baton.engine.sampling_params import SamplingParams
-from baton.engine.tokenizer import Tokenizer
 from baton.errors import APIError
 from baton.kv_transfer.fingerprint import Fingerprint
+from baton.tokenizer import Tokenizer
 
 SCRIPT = "hello world, the baton passes on. "  # what the fake model writes, over and over
 
@@ -191,6 +191,7 @@ class FakeLLM:
         priority: int = 0,
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         check_prompt_token_ids(prompt_token_ids, self.max_model_len, 512)
         self.seen.append((request_id, prompt_token_ids, sampling_params))

@@ -17,7 +17,7 @@ import pytest
 
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.sampling_params import resumed_seed
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.api.test_structured_server import SCHEMA
 from tests.support.engine_server import MAX_MODEL_LEN, NAME, Server, expect_error
 

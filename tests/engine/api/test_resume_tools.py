@@ -36,6 +36,7 @@ class ResumingLLM(AnswerLLM):
         priority: int = 0,
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         resumed = resume_token_ids or []
         tokens = [ord(c) for c in self.answer] + [0]

@@ -21,7 +21,7 @@ from baton.engine.api.protocol import ChatCompletionRequest
 from baton.engine.api.tool_parsers import NamedToolParser, RequiredToolParser, ToolParser
 from baton.engine.api.tools import ChoiceParser, OutputMode, forced_tool_schema
 from baton.engine.models.tiny import EOS_TOKEN_ID
-from baton.engine.tokenizer import load_tokenizer
+from baton.tokenizer import load_tokenizer
 from tests.engine.api.test_tools_server import SCHEMAS, TOOLS
 
 

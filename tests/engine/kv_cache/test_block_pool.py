@@ -6,12 +6,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from baton.engine.kv_cache.block_pool import (
-    BlockPool,
-    FreeKVCacheBlockQueue,
-    KVCacheBlock,
-    hash_block_tokens,
-)
+from baton.block_hash import hash_block_tokens
+from baton.engine.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 
 
 class _RecordingBlock(KVCacheBlock):

@@ -28,7 +28,7 @@ from baton.engine.structured.backend import (
     GrammarError,
     strict_json_schema,
 )
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.structured.walk import allowed_ids, matcher_mask, random_walk
 from tests.engine.tokenizer_folders import smollm2_folder
 from tests.support.json_schemas import SCHEMAS

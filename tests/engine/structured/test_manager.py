@@ -22,7 +22,7 @@ from baton.engine.sampling_params import StructuredOutputsParams
 from baton.engine.structured import manager as manager_module
 from baton.engine.structured.backend import Grammar, GrammarCompiler
 from baton.engine.structured.manager import StructuredOutputManager
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.structured.walk import allowed_ids
 
 VOCAB = 520  # the tiny tokenizer has 512 tokens; the logits are padded

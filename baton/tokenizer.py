@@ -48,6 +48,28 @@ class Tokenizer:
         missing = [t for t in self.special_tokens.values() if t not in added]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
 
+    def to_wire(self) -> dict[str, Any]:
+        """The tokenizer as JSON-able data (`from_wire` rebuilds it): what an engine serves the
+        router, which tokenizes prompts as the engine does without reading the model's files."""
+        return {
+            "tokenizer_json": self.backend.to_str(),
+            "special_tokens": self.special_tokens,
+            "chat_template": self.chat_template,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Tokenizer:
+        """The tokenizer `to_wire` described; ValueError when `data` is not such a description."""
+        try:
+            backend = Backend.from_str(data["tokenizer_json"])
+            special = {str(k): str(v) for k, v in dict(data.get("special_tokens") or {}).items()}
+            template = data.get("chat_template")
+        except Exception as e:
+            raise ValueError(f"not a tokenizer description: {e}") from None
+        if not (template is None or isinstance(template, str | dict)):
+            raise ValueError("chat_template must be a string, an object or null")
+        return cls(backend, special_tokens=special, chat_template=template)
+
     @property
     def vocab_size(self) -> int:
         """The base vocabulary's size, without added tokens (transformers' `vocab_size`)."""

@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from baton.engine.models.tiny import ARCHITECTURES, CHAT_TEMPLATE
-from baton.engine.tokenizer import Tokenizer, load_tokenizer
+from baton.tokenizer import Tokenizer, load_tokenizer
 from tests.engine.tokenizer_folders import smollm2_folder, spiece_folder
 
 TEXTS = [
@@ -246,7 +246,7 @@ def test_no_torch_or_transformers_imported(tiny_model) -> None:
     neither torch nor transformers (checked in a fresh interpreter)."""
     code = (
         "import sys\n"
-        "from baton.engine.tokenizer import load_tokenizer\n"
+        "from baton.tokenizer import load_tokenizer\n"
         "from baton.engine.detokenizer import IncrementalDetokenizer\n"
         f"t = load_tokenizer({str(tiny_model('llama'))!r})\n"
         "chat = [{'role': 'user', 'content': 'hi'}]\n"
