@@ -49,13 +49,23 @@ _RESTART_STABLE_SECONDS = 60.0
 # Engine flags `baton serve` sets itself for each engine. The keys go by environment; TLS is
 # left out: the engines talk plain HTTP to a router on the same machine.
 _OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys", "kv_secret_file"}
+_OWN_ENGINE_FLAGS |= {"kv_events_config"}  # each engine publishes on ports of its own
 _OWN_ENGINE_FLAGS |= {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"}
 
 
+_GIVEN_PORTS: set[int] = set()  # every port handed out: the kernel may offer one again
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and not handed out before by this process (each engine takes three:
+    HTTP, KV events and their replay; all are chosen before any process binds them)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def _say(message: str) -> None:
@@ -318,9 +328,15 @@ class Supervisor:
 
     def _engine(self, role: str, index: int) -> Child:
         port = _free_port()
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{_free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+        }  # the router follows them (see baton.router.kv_subscriber)
         argv = self._baton(
             "engine", "--host", "127.0.0.1", "--port", str(port), "--role", role,
-            *self.plan.engine_words,
+            "--kv-events-config", json.dumps(events), *self.plan.engine_words,
         )  # fmt: skip
         name = f"{'engine' if role == 'both' else role}-{index}"
         env = self._env(

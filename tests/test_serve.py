@@ -192,6 +192,32 @@ def test_streaming_through_serve(disaggregated: Serve) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+@needs_roles
+def test_serve_routes_on_the_engines_kv_events(disaggregated: Serve) -> None:
+    """Every engine publishes KV events and the router follows them (exact mode); a prompt a
+    decode engine already holds, by its own events, skips the prefill step (`skipped_cached`)
+    and still gets the same answer."""
+    deadline = time.monotonic() + 30
+    while any(e["kv_index"]["mode"] != "exact" for e in disaggregated.engines()):
+        assert time.monotonic() < deadline, disaggregated.engines()
+        time.sleep(0.2)
+
+    def count(outcome: str) -> float:
+        return scrape(disaggregated.url, "baton:router_disagg_decisions_total", outcome=outcome)
+
+    prompt = f"cached: {PROMPT} " * 6
+    before = {o: count(o) for o in ("disaggregated", "skipped_cached")}
+    answers = []
+    for _ in range(4):  # round-robin decode: each decode engine gets it twice
+        answers.append(_completion(disaggregated.url, prompt)["choices"][0]["token_ids"])
+        time.sleep(0.3)  # the decode engine's events reach the router
+    assert all(a == answers[0] for a in answers)
+    assert count("disaggregated") - before["disaggregated"] == 2
+    assert count("skipped_cached") - before["skipped_cached"] == 2
+    blocks = [e["kv_index"]["events"]["blocks"] for e in disaggregated.engines()]
+    assert all(b > 0 for b in blocks), disaggregated.engines()
+
+
 class Runner(BaseModel):
     """What `parse` asks the tiny model for: only the grammar can make its noise fit this."""
 

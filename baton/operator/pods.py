@@ -8,12 +8,14 @@ where the code writes). No I/O; `resources.py` wraps these templates into Deploy
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any
 
 from baton.operator.spec import InferenceServiceSpec, ModelSource, Pool
 
 ENGINE_PORT = 8000
 KV_PORT = 14579
+KV_EVENTS_PORT = 5557  # vLLM's default KV events port; replay on the next one
 ROUTER_PORT = 8000
 GPU = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
@@ -125,7 +127,23 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     args.append(
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching"
     )
+    if engine.enable_prefix_caching:
+        args += ["--kv-events-config", kv_events_config(spec)]
     return args + list(engine.extra_args)
+
+
+def kv_events_config(spec: InferenceServiceSpec) -> str:
+    """The engine's `--kv-events-config`: its block pool's events published on the pod IP for
+    the router (which reads the ports from /health), under llm-d's topic convention
+    (`kv@<pod>@<model>`) so that llm-d's KV indexer can read them too."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://$(POD_IP):{KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://$(POD_IP):{KV_EVENTS_PORT + 1}",
+        "topic": f"kv@$(POD_IP)@{spec.model.served_model_name}",
+    }
+    return json.dumps(config, separators=(",", ":"))
 
 
 def engine_resources(pool: Pool) -> dict[str, Any]:
@@ -263,6 +281,12 @@ def engine_pod(
             *(
                 {"name": f"kv-{r}" if r else "kv", "containerPort": KV_PORT + r, "protocol": "TCP"}
                 for r in range(pool.tensor_parallel_size if pool.moves_kv else 0)
+            ),
+            # The KV cache events (vLLM's format) and their replay socket.
+            *(
+                {"name": name, "containerPort": KV_EVENTS_PORT + i, "protocol": "TCP"}
+                for i, name in enumerate(("kv-events", "kv-replay"))
+                if spec.engine.enable_prefix_caching
             ),
         ],
         "env": [pod_ip, *cache_env, *key_env, *copy.deepcopy(pool.env)],

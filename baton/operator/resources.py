@@ -24,6 +24,7 @@ from baton.kube import (
 from baton.operator import crd
 from baton.operator.pods import (
     ENGINE_PORT,
+    KV_EVENTS_PORT,
     KV_PORT,
     KV_SECRET_KEY,
     ROUTER_PORT,
@@ -236,7 +237,8 @@ def _router_children(isvc: Manifest, spec: InferenceServiceSpec) -> list[Manifes
 def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkAccess) -> Manifest:
     """Engine HTTP only from this service's router, the gateway, the operator (its KV canary)
     and monitoring; KV ports (TCP blocks and NIXL's side channel, one port per tensor-parallel
-    rank) only from this service's decode engines, the only pods that pull KV blocks."""
+    rank) only from this service's decode engines, the only pods that pull KV blocks; the KV
+    events' ports only from the routers."""
     name = isvc["metadata"]["name"]
     policy_labels = labels(name, "network-policy")
     policy = _child("networking.k8s.io/v1", "NetworkPolicy", f"{name}-engines", isvc, policy_labels)
@@ -266,6 +268,11 @@ def _network_policy(isvc: Manifest, spec: InferenceServiceSpec, access: NetworkA
         decode = {"podSelector": {"matchLabels": selector_labels(name, "decode")}}
         ingress.append({"from": [decode], "ports": kv_ports})
     # No rule admits the KV ports in aggregated mode: nothing pulls blocks from those engines.
+    if spec.engine.enable_prefix_caching:
+        # KV events carry the prompts' token ids: only the routers (this service's, and the
+        # gateway's) read them.
+        events = [{"protocol": "TCP", "port": KV_EVENTS_PORT + i} for i in range(2)]
+        ingress.append({"from": http_from[:2], "ports": events})
     policy["spec"] = {
         "podSelector": {
             "matchLabels": {NAME_LABEL: APP, INSTANCE_LABEL: name},

@@ -40,6 +40,21 @@ def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
     parser.add_argument("--prefix-block-chars", type=int, default=c.prefix_block_chars)
     parser.add_argument("--prefix-index-blocks", type=int, default=c.prefix_index_blocks)
     parser.add_argument(
+        "--prefix-index",
+        choices=("events", "approximate"),
+        default=c.prefix_index,
+        help="events: an exact index from the KV events of engines that publish them (the "
+        "approximate one for the others); approximate: the router's own record for all",
+    )
+    parser.add_argument(
+        "--cache-salt-from",
+        choices=("client", "api-key", "header"),
+        default=c.cache_salt_from,
+        help="who sets a request's cache_salt (the prefix-cache scope): the client, or the "
+        "router per tenant, from the API key or --cache-salt-header",
+    )
+    parser.add_argument("--cache-salt-header", default=c.cache_salt_header)
+    parser.add_argument(
         "--session-affinity",
         action=argparse.BooleanOptionalAction,
         default=c.session_affinity,

@@ -9,6 +9,8 @@ from typing import Literal
 PolicyName = Literal["round-robin", "least-load", "prefix-aware"]
 POLICIES: tuple[PolicyName, ...] = ("round-robin", "least-load", "prefix-aware")
 OnNoPrefill = Literal["fail", "decode"]
+PrefixIndexMode = Literal["events", "approximate"]
+CacheSaltFrom = Literal["client", "api-key", "header"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,13 @@ class RouterConfig:
     # 16-token engine block of English text.
     prefix_block_chars: int = 64
     prefix_index_blocks: int = 1 << 16  # approximate blocks remembered per engine (LRU)
+    # events: follow the KV events of engines that publish them (exact; the approximate index
+    # for the others); approximate: the approximate index for every engine
+    prefix_index: PrefixIndexMode = "events"
+    # Who sets a request's cache_salt (prefix-cache scope): the client (its own field, as
+    # vLLM), or the router from the API key or a header, per tenant
+    cache_salt_from: CacheSaltFrom = "client"
+    cache_salt_header: str = "x-tenant-id"
     session_affinity: bool = True  # requests with the same x-session-id go to the same engine
 
     # -- conditional disaggregation --
@@ -64,6 +73,16 @@ class RouterConfig:
         ):
             if value not in POLICIES:
                 raise ValueError(f"{field} must be one of {POLICIES}, got {value!r}")
+        if self.prefix_index not in ("events", "approximate"):
+            raise ValueError(
+                f"prefix_index must be events or approximate, got {self.prefix_index!r}"
+            )
+        if self.cache_salt_from not in ("client", "api-key", "header"):
+            raise ValueError(
+                f"cache_salt_from must be client, api-key or header, got {self.cache_salt_from!r}"
+            )
+        if not self.cache_salt_header:
+            raise ValueError("cache_salt_header must not be empty")
         if self.on_no_prefill not in ("fail", "decode"):
             raise ValueError(
                 f"on_no_prefill must be 'fail' or 'decode', got {self.on_no_prefill!r}"

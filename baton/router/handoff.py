@@ -16,8 +16,11 @@ The decode engine is chosen first, because whether to do step 1 at all depends o
 - so is a request that wants its prompt's logprobs (`prompt_logprobs`, or `echo` with
   `logprobs` on completions): only the engine that computes the prompt sees its logits, and a
   decode engine that reads the KV never does: `decode_only_fallback`;
-- a prompt estimated under `disagg_min_tokens` skips step 1: `skipped_short`;
-- a prompt whose blocks the decode engine mostly holds already skips step 1: `skipped_cached`;
+- a prompt under `disagg_min_tokens` skips step 1: `skipped_short`; counted exactly when the
+  router has the prompt's token ids and the decode engine's KV events, where what counts is
+  the part the decode engine does not hold yet; estimated from characters otherwise;
+- a prompt whose blocks the decode engine mostly holds already skips step 1: `skipped_cached`
+  (matched tokens from its KV events, or the approximate index's matched blocks);
 - no prefill engine available, none that can hand KV to the decode engine (unequal
   tensor_parallel_size or compatibility fingerprint, each where both engines say; a decode
   engine that can pair is chosen first when there is one), or every prefill attempt failed:
@@ -120,9 +123,13 @@ class Handoff:
             return await self._decode(routed, decode, "decode_only_fallback", "a batch of prompts")
         if wants_prompt_logprobs(routed.route, routed.body):
             return await self._decode(routed, decode, "decode_only_fallback", "prompt logprobs")
-        if prompt.estimated_tokens(config.chars_per_token) < config.disagg_min_tokens:
-            return await self._decode(routed, decode, "skipped_short", "short prompt")
-        if self._cached_fraction(routed, decode) >= config.disagg_cached_fraction:
+        cached = router.view.cached_tokens(decode.url, prompt)
+        uncached = prompt.estimated_tokens(config.chars_per_token) - (cached or 0)
+        if uncached < config.disagg_min_tokens:
+            why = "short prompt" if not cached else f"{uncached} tokens not cached on decode"
+            return await self._decode(routed, decode, "skipped_short", why)
+        fraction = router.view.fractions((decode.url,), prompt)[decode.url]
+        if fraction >= config.disagg_cached_fraction:
             return await self._decode(routed, decode, "skipped_cached", "cached on decode")
         if not prefills:
             return await self._no_prefill(
@@ -170,13 +177,6 @@ class Handoff:
             pair=answer.engine,  # a retry goes to a decode engine that can read these blocks
             extra_headers={"x-baton-prefill-engine": answer.engine.url},
         )
-
-    def _cached_fraction(self, routed: Routed, decode: EngineState) -> float:
-        hashes = routed.prompt.block_hashes(self.config.prefix_block_chars)
-        if not hashes:
-            return 0.0
-        matched = self.router.index.match(hashes, (decode.url,))
-        return matched.get(decode.url, 0) / len(hashes)
 
     def _unpaired(self, routed: Routed, decode: EngineState, prefills: list[EngineState]) -> str:
         """Why no prefill engine can hand KV to `decode` (for the client and the 503); the

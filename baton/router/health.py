@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -67,12 +68,14 @@ class HealthMonitor:
         config: RouterConfig,
         metrics: RouterMetrics,
         on_cache_lost: Callable[[EngineState], None],
+        on_health: Callable[[EngineState, dict[str, Any]], None] | None = None,
     ) -> None:
         self.engines = engines
         self.session = session
         self.config = config
         self.metrics = metrics
         self.on_cache_lost = on_cache_lost
+        self.on_health = on_health  # every /health answer of 200, as a JSON object
         self.auth = UpstreamAuth(config)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -119,6 +122,8 @@ class HealthMonitor:
                 await self._fetch_models(state)
                 ok = bool(state.models)
                 why = "/v1/models lists no model"
+            if ok and self.on_health is not None:
+                self.on_health(state, json_object(body))
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             why = f"{type(e).__name__}: {e}"
         if ok:
@@ -198,12 +203,7 @@ def read_compatibility(state: EngineState, health: bytes) -> None:
     """Sets what `state.can_pair_with` compares from the engine's /health answer: its
     tensor_parallel_size, its fingerprint and the fingerprint's parts; each None (or empty)
     when the answer does not say, or says something malformed."""
-    try:
-        body = json.loads(health)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        body = {}
+    body = json_object(health)
     size = body.get("tensor_parallel_size")
     ok_size = isinstance(size, int) and not isinstance(size, bool) and size > 0
     state.tensor_parallel_size = size if ok_size else None
@@ -225,3 +225,12 @@ def read_compatibility(state: EngineState, health: bytes) -> None:
         if isinstance(parts, dict)
         else {}
     )
+
+
+def json_object(data: bytes) -> dict[str, Any]:
+    """`data` as a JSON object; empty when it is not one."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}

@@ -12,9 +12,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
+from baton.router.cache_view import CacheView
 from baton.router.config import PolicyName
 from baton.router.engines import EngineState
-from baton.router.prefix_index import PrefixIndex
 from baton.router.prompts import Prompt
 
 # prefix-aware: extra load that cancels a full prefix match is `prefix_load_weight` times
@@ -63,28 +63,28 @@ class LeastLoad(RoundRobin):
 
 
 class PrefixAware(RoundRobin):
-    """The candidate with the best prefix match in the index, scored against load.
+    """The candidate holding most of the prompt, scored against load.
 
-    score = matched blocks / prompt blocks - weight * (load - least load) / (least load + 8).
-    With no match anywhere this is least-load, ties going to the engine whose cache (as indexed)
-    holds the least; with a match, the holder keeps the prompt's family until it is clearly
-    busier than the others.
+    score = cached fraction of the prompt - weight * (load - least load) / (least load + 8),
+    where the cached fraction is exact (matched tokens / prompt tokens, from the engine's KV
+    events, or the fraction this router sent it if larger) or approximate (matched blocks /
+    prompt blocks, from the router's own record); see `CacheView.placement`. With no match
+    anywhere this is least-load, ties going to the engine the router has sent the least; with a
+    match, the holder keeps the prompt's family until it is clearly busier than the others.
     """
 
-    def __init__(self, index: PrefixIndex, block_chars: int, load_weight: float) -> None:
+    def __init__(self, view: CacheView, load_weight: float) -> None:
         super().__init__()
-        self.index = index
-        self.block_chars = block_chars
+        self.view = view
         self.load_weight = load_weight
 
     def scores(self, candidates: Sequence[EngineState], prompt: Prompt) -> list[float]:
-        hashes = prompt.block_hashes(self.block_chars)
-        matched = self.index.match(hashes, (s.url for s in candidates)) if hashes else {}
+        cached = self.view.placement([s.url for s in candidates], prompt)
         loads = [s.load() for s in candidates]
         least = min(loads)
         scale = least + LOAD_SLACK
         return [
-            matched.get(s.url, 0) / max(1, len(hashes)) - self.load_weight * (load - least) / scale
+            cached[s.url] - self.load_weight * (load - least) / scale
             for s, load in zip(candidates, loads, strict=True)
         ]
 
@@ -93,10 +93,15 @@ class PrefixAware(RoundRobin):
         best = max(scores)
         top = [s for s, x in zip(candidates, scores, strict=True) if x == best]
         if len(top) > 1:
-            # A prompt no engine holds (a new family): the engine whose cache holds the least
-            # keeps families spread over the caches instead of piling them on one by chance.
-            least = min(self.index.num_blocks(s.url) for s in top)
-            top = [s for s in top if self.index.num_blocks(s.url) == least]
+            # A prompt no engine holds: its family stays where the router sent it before (an
+            # engine that evicted it computes it again, rather than evicting another family
+            # elsewhere); a new family goes where the router has sent the least, so families
+            # spread over the caches instead of piling on one by chance.
+            sent = self.view.sent_fractions([s.url for s in top], prompt)
+            most = max(sent.values())
+            top = [s for s in top if sent[s.url] == most]
+            least = min(self.view.blocks_sent(s.url) for s in top)
+            top = [s for s in top if self.view.blocks_sent(s.url) == least]
         return self._take(top)
 
 
@@ -111,11 +116,11 @@ def session_choice(candidates: Sequence[EngineState], session_id: str) -> Engine
     return max(candidates, key=weight)
 
 
-def make_policy(name: PolicyName, index: PrefixIndex, block_chars: int, weight: float) -> Policy:
+def make_policy(name: PolicyName, view: CacheView, weight: float) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "least-load":
         return LeastLoad()
     if name == "prefix-aware":
-        return PrefixAware(index, block_chars, weight)
+        return PrefixAware(view, weight)
     raise ValueError(f"unknown policy {name!r}")

@@ -1,10 +1,13 @@
-"""What the router reads from a generation request without a tokenizer: the prompt as text or
-token ids, an estimate of its length in tokens, and its approximate block hashes.
+"""What the router reads from a generation request's prompt: its text or token ids, its length
+in tokens (exact, or estimated), and its block hashes: exact ones, and approximate ones.
 
-The router never tokenizes (that would mean loading every model's tokenizer, and it must not
-import engine code), so a "block" here is a run of `block_chars` characters, or of
-`TOKEN_BLOCK` ids for a prompt given as token ids, and each block's hash chains its parent's,
-as the engines' prefix cache does. Two prompts that share their first k blocks here share about
+Exact: when the router has the model's tokenizer (`tokenizers`), `tokens` holds the ids the
+engine will compute, and `exact_hashes` chains them into the engine's own block hashes
+(`baton.block_hash`, with the request's `cache_salt`), as its KV events name them.
+
+Approximate, for engines that publish no events: a "block" is a run of `block_chars`
+characters, or of `TOKEN_BLOCK` ids for a prompt given as token ids, and each block's hash
+chains its parent's. Two prompts that share their first k blocks here share about
 k * block_chars characters, so they share most of the engine blocks covering them.
 """
 
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from baton.block_hash import block_hashes, external_hash
 
 TOKEN_BLOCK = 16  # ids per block of a prompt given as token ids (the engines' block size)
 
@@ -24,13 +29,27 @@ class Prompt:
     token_ids: list[int] | None = None  # the prompt as token ids, when it came as ids
     num_prompts: int = 1  # a completions batch has several; routing reads the first
     num_messages: int = 0  # chat messages (each adds a few template tokens)
+    tokens: list[int] | None = None  # the ids the engine will compute, when the router knows
+    cache_salt: str | None = None  # the request's, as the engine gets it
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _exact: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def estimated_tokens(self, chars_per_token: float) -> int:
         """Exact for token ids; characters / `chars_per_token` (+ 4 per chat message) for text."""
+        if self.tokens is not None:
+            return len(self.tokens)
         if self.token_ids is not None:
             return len(self.token_ids)
         return int(len(self.text or "") / chars_per_token) + 4 * self.num_messages
+
+    def exact_hashes(self, block_size: int) -> list[int]:
+        """The engine's hashes of the prompt's full blocks (as KV events carry them); empty
+        without `tokens`."""
+        hashes = self._exact.get(block_size)
+        if hashes is None:
+            chain = block_hashes(self.tokens or (), block_size, self.cache_salt)
+            hashes = self._exact[block_size] = [external_hash(h) for h in chain]
+        return hashes
 
     def block_hashes(self, block_chars: int) -> list[int]:
         """Chained hashes of the prompt's full blocks, first block first (cached per size)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from starlette.responses import Response
 from baton.errors import APIError
 from baton.http_server import ClientGone, cancel_on_disconnect
 from baton.roles import ROLES, Role
+from baton.router.cache_view import CacheView
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery, Endpoint
 from baton.router.engines import (
@@ -36,12 +38,20 @@ from baton.router.engines import (
 )
 from baton.router.handoff import Handoff
 from baton.router.health import HealthMonitor
+from baton.router.kv_index import KVIndex
+from baton.router.kv_subscriber import Subscriptions, source_of
 from baton.router.metrics import RouterMetrics
 from baton.router.migration import RESUME_TOKEN_IDS, Migrator, StreamLog
 from baton.router.policies import Policy, RoundRobin, make_policy, session_choice
 from baton.router.prefix_index import PrefixIndex
 from baton.router.prompts import Prompt, prompt_of
 from baton.router.proxy import Pick, Upstream
+from baton.router.tokenizers import (
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_PATH,
+    Tokenizers,
+    prompt_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,8 @@ KV_TRANSFER_PARAMS = "kv_transfer_params"
 # What only the router sends engines: the KV hand-off's params, and a migrated stream's tokens.
 _ROUTER_FIELDS = (KV_TRANSFER_PARAMS, RESUME_TOKEN_IDS)
 RETURN_TOKEN_IDS = "return_token_ids"
+CACHE_SALT = "cache_salt"
+TOKENIZER_TIMEOUT = 30.0  # seconds to fetch a model's tokenizer from an engine
 
 
 def client_body(raw: bytes, body: dict[str, Any]) -> bytes:
@@ -103,15 +115,26 @@ class Router:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self.engines = EngineSet()
-        self.index = PrefixIndex(config.prefix_index_blocks)
+        self.index = PrefixIndex(config.prefix_index_blocks)  # approximate
+        self.kv_index = KVIndex()  # exact, from the engines' KV events
+        self.subscriptions = Subscriptions(self.kv_index)
+        self.view = CacheView(
+            self.index, self.kv_index, self.subscriptions, config.prefix_block_chars
+        )
+        self.tokenizers = Tokenizers(self._fetch_tokenizer)
         self.metrics = RouterMetrics(self.engines)
         self.health = HealthMonitor(
-            self.engines, self.session, config, self.metrics, lambda s: self.index.forget(s.url)
+            self.engines,
+            self.session,
+            config,
+            self.metrics,
+            lambda s: self.view.forget(s.url),
+            self.on_health,
         )
         self.upstream = Upstream(self.session, self.health, self.metrics, config)
-        block_chars, weight = config.prefix_block_chars, config.prefix_load_weight
-        self.prefill_policy = make_policy(config.prefill_policy, self.index, block_chars, weight)
-        self.decode_policy = make_policy(config.decode_policy, self.index, block_chars, weight)
+        weight = config.prefix_load_weight
+        self.prefill_policy = make_policy(config.prefill_policy, self.view, weight)
+        self.decode_policy = make_policy(config.decode_policy, self.view, weight)
         self._any_policy = RoundRobin()
         self.handoff = Handoff(self)
         self._discovery: asyncio.Task[None] | None = None
@@ -147,6 +170,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._discovery
         await self.health.close()
+        await self.subscriptions.close()
+        await self.tokenizers.close()
         if self._session is not None:
             await self._session.close()
 
@@ -155,10 +180,35 @@ class Router:
         for state in removed:
             logger.info("engine %s (%s) removed", state.url, state.role)
             self.health.unwatch(state)
+            self.subscriptions.stop(state.url)
+            self.view.forget(state.url)
         for state in added:
             logger.info("engine %s (%s) added", state.url, state.role)
             self.health.watch(state)
         self.discovered.set()
+
+    def on_health(self, state: EngineState, health: dict[str, Any]) -> None:
+        """An engine answered /health: follow its KV events as it advertises them (unless
+        the router runs with the approximate index only), and fetch its model's tokenizer."""
+        if self.config.prefix_index != "events":
+            return
+        self.subscriptions.sync(state.url, health)
+        if source_of(state.url, health) is not None:
+            for model in state.models:
+                self.tokenizers.want(model, state.url)
+
+    async def _fetch_tokenizer(self, engine: str) -> bytes:
+        timeout = aiohttp.ClientTimeout(total=TOKENIZER_TIMEOUT)
+        auth = self.health.auth
+        async with self.session().get(
+            engine + TOKENIZER_PATH, timeout=timeout, headers=auth.headers, ssl=auth.ssl
+        ) as response:
+            if response.status != 200:
+                raise ValueError(f"{TOKENIZER_PATH} answered {response.status}")
+            body = await response.content.read(MAX_TOKENIZER_BYTES + 1)
+            if len(body) > MAX_TOKENIZER_BYTES:
+                raise ValueError(f"the tokenizer is larger than {MAX_TOKENIZER_BYTES} bytes")
+            return body
 
     def ready(self) -> bool:
         """Discovery has answered and every known engine has been checked once."""
@@ -197,7 +247,15 @@ class Router:
         # One id for every engine of the request (and so one response id when a stream moves).
         headers.setdefault("x-request-id", uuid.uuid4().hex)
         raw = client_body(raw, body)
+        model = self.resolve_model(body.get("model"))
+        raw = self._salt(request, raw, body)
         prompt = prompt_of(body)
+        salt = body.get(CACHE_SALT)
+        prompt.cache_salt = salt if isinstance(salt, str) else None
+        if prompt.token_ids is not None:
+            prompt.tokens = prompt.token_ids  # ids need no tokenizer
+        elif (tokenizer := self.tokenizers.get(model)) is not None and self._counts_tokens(model):
+            prompt.tokens = prompt_token_ids(tokenizer, route, body)
         stream = bool(body.get("stream", False))
         client_token_ids = bool(body.get(RETURN_TOKEN_IDS, False))
         migratable = (
@@ -212,7 +270,7 @@ class Router:
             route=route,
             body=body,
             raw=raw,
-            model=self.resolve_model(body.get("model")),
+            model=model,
             stream=stream,
             session_id=request.headers.get("x-session-id")
             if self.config.session_affinity
@@ -224,6 +282,34 @@ class Router:
             migratable=migratable,
             client_token_ids=client_token_ids,
         )
+
+    def _counts_tokens(self, model: str) -> bool:
+        """Whether a decision on `model`'s requests reads exact token counts: a prefix-aware
+        policy, or the hand-off's (whether to skip the prefill step)."""
+        aware = "prefix-aware" in (self.config.prefill_policy, self.config.decode_policy)
+        return aware or self.has_disaggregated(model)
+
+    def _salt(self, request: Request, raw: bytes, body: dict[str, Any]) -> bytes:
+        """`raw` with the tenant's `cache_salt` when the router sets it (`cache_salt_from`):
+        a digest of the request's API key or tenant header, replacing any the client sent, so
+        that tenants never share prefix-cache blocks (nor learn from their time to first token
+        what another tenant's prompts were). No key or header: no salt, a shared cache."""
+        source = self.config.cache_salt_from
+        if source == "client":
+            return raw
+        if source == "api-key":
+            auth = request.headers.get("authorization", "")
+            tenant = auth[7:] if auth[:7].lower() == "bearer " else ""
+        else:
+            tenant = request.headers.get(self.config.cache_salt_header, "")
+        salt = hashlib.sha256(b"baton-tenant\0" + tenant.encode()).hexdigest()[:32]
+        if not tenant:
+            if CACHE_SALT not in body:
+                return raw
+            body.pop(CACHE_SALT)
+        else:
+            body[CACHE_SALT] = salt
+        return json.dumps(body).encode()
 
     def resolve_model(self, model: object) -> str:
         """The model a request names; the only one served when it names none."""
@@ -273,16 +359,15 @@ class Router:
         pair: EngineState | None = None,
     ) -> Pick:
         """The `Pick` for `Upstream.send`: `first` if given, then the policy's choices (among
-        the engines that can pair with `pair`). Each pick is remembered in the prefix index:
-        the engine will hold the prompt's blocks."""
-        hashes = routed.prompt.block_hashes(self.config.prefix_block_chars)
+        the engines that can pair with `pair`). Each pick is remembered in the approximate
+        index: the engine will hold the prompt's blocks."""
 
         def pick(tried: set[str]) -> EngineState | None:
             engine: EngineState | None = first
             if engine is None or engine.url in tried:
                 engine = self.choose(routed, roles, policy, tried, pair)
-            if engine is not None and hashes:
-                self.index.record(engine.url, hashes)
+            if engine is not None:
+                self.view.record(engine.url, routed.prompt)
             return engine
 
         return pick
@@ -414,6 +499,10 @@ class Router:
                 "load": s.load(),
                 "consecutive_failures": s.consecutive_failures,
                 "prefix_index_blocks": self.index.num_blocks(s.url),
+                "kv_index": {
+                    "mode": self.view.mode(s.url),
+                    "events": self.subscriptions.describe(s.url),
+                },
             }
             for s in self.engines
         ]

@@ -191,8 +191,9 @@ def test_an_aggregated_service_gets_no_secret(kube: Kube, tmp_path: Path) -> Non
     (container,) = pod["containers"]
     assert "kv-secret" not in {v["name"] for v in pod["volumes"]}
     assert MOUNT not in container["volumeMounts"]
-    assert not [a for a in container["args"] if a.startswith("--kv-")]
-    assert [p["name"] for p in container["ports"]] == ["http"]
+    hand_off = [a for a in container["args"] if a.startswith("--kv-") and a != "--kv-events-config"]
+    assert not hand_off  # KV events are not a hand-off: aggregated engines publish them too
+    assert [p["name"] for p in container["ports"]] == ["http", "kv-events", "kv-replay"]
     service = kube.get(f"/api/v1/namespaces/{NS}/services/llama-engine")
     assert service is not None and [p["name"] for p in service["spec"]["ports"]] == ["http"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -205,7 +206,13 @@ def test_pool_fields_reach_the_pod() -> None:
         ("http", 8000),
         ("kv", 14579),
         ("kv-1", 14580),
+        ("kv-events", 5557),  # the prefix cache's KV events, and their replay
+        ("kv-replay", 5558),
     ]
+    args = engine["args"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://$(POD_IP):5557"
+    assert events["topic"] == "kv@$(POD_IP)@llama"  # llm-d's topic: pod and model
     decode = container(build(spec)[("Deployment", "llama-decode")])
     assert "nvidia.com/gpu" not in decode["resources"].get("limits", {})  # asked for none
 

@@ -70,7 +70,7 @@ def test_each_service_gets_a_network_policy(kube: Kube, tmp_path: Path) -> None:
     assert spec_["podSelector"]["matchExpressions"] == [
         {"key": "baton.dev/role", "operator": "Exists"}
     ]
-    http, kv = spec_["ingress"]
+    http, kv, events = spec_["ingress"]
     assert http["ports"] == [{"protocol": "TCP", "port": 8000}]
     router = {"app.kubernetes.io/name": "baton", "app.kubernetes.io/instance": "llama"}
     assert http["from"] == [
@@ -93,6 +93,9 @@ def test_each_service_gets_a_network_policy(kube: Kube, tmp_path: Path) -> None:
     assert kv["ports"] == [{"protocol": "TCP", "port": 14579}, {"protocol": "TCP", "port": 14580}]
     decode = router | {"app.kubernetes.io/component": "decode"}
     assert kv["from"] == [{"podSelector": {"matchLabels": decode}}]
+    # The KV events (prompts' token ids) only to the routers: this service's and the gateway.
+    assert events["ports"] == [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]
+    assert events["from"] == http["from"][:2]
 
 
 def test_a_later_service_with_a_taken_model_name_is_not_routed(kube: Kube, tmp_path: Path) -> None:

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 from collections import Counter
 
+from baton.block_hash import block_hashes, external_hash
+from baton.kv_events import BlockRemoved, BlockStored
+from baton.router.cache_view import CacheView
 from baton.router.discovery import Endpoint
 from baton.router.engines import EngineState
+from baton.router.kv_index import KVIndex
+from baton.router.kv_subscriber import Subscriptions
 from baton.router.policies import LeastLoad, PrefixAware, RoundRobin, session_choice
 from baton.router.prefix_index import PrefixIndex
 from baton.router.prompts import Prompt, prompt_of
+
+
+def _view(index: PrefixIndex, exact: KVIndex | None = None) -> CacheView:
+    exact = exact or KVIndex()
+    return CacheView(index, exact, Subscriptions(exact), block_chars=64)
 
 
 def _engines(n: int) -> list[EngineState]:
@@ -56,7 +66,7 @@ def test_prefix_aware_keeps_families_together_and_spreads_new_ones() -> None:
     """Prompts sharing a system prompt go where it was sent; new system prompts spread."""
     engines = _engines(4)
     index = PrefixIndex(1000)
-    policy = PrefixAware(index, block_chars=64, load_weight=1.0)
+    policy = PrefixAware(_view(index), load_weight=1.0)
     placed: dict[int, str] = {}
     for user in range(3):
         for family in range(8):
@@ -71,13 +81,36 @@ def test_prefix_aware_gives_way_to_load() -> None:
     """The engine holding a prefix loses it to an idle engine once clearly overloaded."""
     a, b = _engines(2)
     index = PrefixIndex(1000)
-    policy = PrefixAware(index, block_chars=64, load_weight=1.0)
+    policy = PrefixAware(_view(index), load_weight=1.0)
     prompt = prompt_of({"prompt": "shared " * 40})
     index.record(a.url, prompt.block_hashes(64))
     a.scraped_load = 4
     assert policy.choose([a, b], prompt) is a
     a.scraped_load = 12  # 12 more than b over a slack of 8: worse than a full match is worth
     assert policy.choose([a, b], prompt) is b
+
+
+def test_prefix_aware_scores_exact_tokens_from_events() -> None:
+    """An engine whose KV events say it holds the prompt's first blocks wins on matched tokens,
+    counted with the request's salt: the same tokens under another salt match nothing, and an
+    eviction takes the match away."""
+    a, b, c = _engines(3)
+    exact = KVIndex()
+    view = _view(PrefixIndex(1000), exact)
+    view.subs.block_size = lambda url: 4  # type: ignore[method-assign]  # both followed
+    policy = PrefixAware(view, load_weight=1.0)
+    tokens = list(range(100, 140))  # 10 blocks of 4
+    ints = [external_hash(h) for h in block_hashes(tokens, 4)]
+    exact.apply(a.url, [BlockStored(ints[:3], None, tokens[:12], 4)])
+    exact.apply(b.url, [BlockStored(ints[:8], None, tokens[:32], 4)])
+    prompt = Prompt(text="x", tokens=tokens)
+    assert view.fractions([a.url, b.url, c.url], prompt) == {a.url: 0.3, b.url: 0.8, c.url: 0.0}
+    assert policy.choose([a, b, c], prompt) is b
+    salted = Prompt(text="x", tokens=tokens, cache_salt="tenant-2")
+    assert view.fractions([a.url, b.url], salted) == {a.url: 0.0, b.url: 0.0}
+    exact.apply(b.url, [BlockRemoved(ints[1:2])])  # a hole after block 0: 1 block usable
+    assert view.cached_tokens(b.url, prompt) == 4
+    assert policy.choose([a, b, c], prompt) is a
 
 
 def test_session_affinity_is_stable_and_moves_only_when_its_engine_goes() -> None:
