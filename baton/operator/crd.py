@@ -234,6 +234,17 @@ SPEC: Schema = _obj(
                     "description": "Send requests with one x-session-id to one engine "
                     "(default: the router's).",
                 },
+                "cacheSaltFrom": _str(
+                    "Who sets each request's cache_salt (the prefix-cache scope): the client, or "
+                    "the router per tenant from the API key or the cacheSaltHeader header.",
+                    "client",
+                    ["client", "api-key", "header"],
+                ),
+                "cacheSaltHeader": {
+                    **_str("The tenant header for cacheSaltFrom: header.", "x-tenant-id"),
+                    "pattern": "^[A-Za-z0-9-]+$",
+                    "maxLength": 64,
+                },
                 "serviceType": _str("", "ClusterIP", ["ClusterIP", "NodePort", "LoadBalancer"]),
                 "disaggMinTokens": {
                     **_int(0),

@@ -332,6 +332,8 @@ def router_pod(
         "--policy", router.policy,
         "--disagg-min-tokens", str(router.disagg_min_tokens),
         "--router-shutdown-timeout", str(spec.drain.timeout_seconds),
+        "--cache-salt-from", router.cache_salt_from,
+        "--cache-salt-header", router.cache_salt_header,
     ]  # fmt: skip
     if router.session_affinity is not None:
         args.append("--session-affinity" if router.session_affinity else "--no-session-affinity")

@@ -100,6 +100,8 @@ class RouterSpec:
     disagg_min_tokens: int
     session_affinity: bool | None = None  # None: the router's default
     resources: dict[str, Any] = field(default_factory=dict)
+    cache_salt_from: str = "client"  # the router's --cache-salt-from
+    cache_salt_header: str = "x-tenant-id"
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,8 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
             disagg_min_tokens=router["disaggMinTokens"],
             session_affinity=router.get("sessionAffinity"),
             resources=router.get("resources", {}),
+            cache_salt_from=router.get("cacheSaltFrom", "client"),
+            cache_salt_header=router.get("cacheSaltHeader", "x-tenant-id"),
         ),
         drain=Drain(spec["drain"]["timeoutSeconds"]),
         api_key_secret=(key["name"], key["key"]) if key else None,

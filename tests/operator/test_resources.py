@@ -270,6 +270,8 @@ def test_router_children() -> None:
             "serviceType": "LoadBalancer",
             "disaggMinTokens": 64,
             "sessionAffinity": False,
+            "cacheSaltFrom": "header",
+            "cacheSaltHeader": "x-team",
         },
         "imagePullPolicy": "Always",
     }
@@ -283,6 +285,13 @@ def test_router_children() -> None:
     assert flag(args, "--selector") == "baton.dev/inference-service=llama"
     assert flag(args, "--policy") == "least-load" and flag(args, "--disagg-min-tokens") == "64"
     assert "--no-session-affinity" in args
+    # Tenants' prefix caches kept apart by the router, from the header the spec names.
+    assert (
+        flag(args, "--cache-salt-from") == "header"
+        and flag(args, "--cache-salt-header") == "x-team"
+    )
+    default = container(build(BASE)[("Deployment", "llama-router")])["args"]
+    assert flag(default, "--cache-salt-from") == "client"  # the client's own, as vLLM
     assert pod["containers"][0]["imagePullPolicy"] == "Always"
     assert children[("Service", "llama")]["spec"]["type"] == "LoadBalancer"
     rules = children[("Role", "llama-router")]["rules"]
