@@ -33,18 +33,9 @@ class CacheView:
     def fractions(self, engines: Sequence[str], prompt: Prompt) -> dict[str, float]:
         """For each engine, the fraction of the prompt it holds: exact tokens where it can be
         told, else approximate blocks."""
-        out: dict[str, float] = {}
-        guessed: list[str] = []
-        for engine in engines:
-            block_size = self.subs.block_size(engine)
-            if block_size is None or prompt.tokens is None:
-                guessed.append(engine)
-                continue
-            held = self._held_blocks(engine, prompt.exact_hashes(block_size))
-            out[engine] = held * block_size / max(1, len(prompt.tokens))
-        if guessed:
-            out.update(self.sent_fractions(guessed, prompt))
-        return out
+        held = self._exact_fractions(engines, prompt)
+        guessed = [e for e in engines if e not in held]
+        return {**self.sent_fractions(guessed, prompt), **held} if guessed else held
 
     def placement(self, engines: Sequence[str], prompt: Prompt) -> dict[str, float]:
         """What the prefix-aware policy weighs against load: for each engine, the larger of the
@@ -56,9 +47,21 @@ class CacheView:
         0.875 for the router's own record). Its home keeps it put. What the events add is what
         this router did not send: another replica's placements, restarts, blocks a client
         computed directly, and exact numbers for the hand-off's decisions (`cached_tokens`)."""
-        held = self.fractions(engines, prompt)
         home = self.sent_fractions(engines, prompt)
-        return {e: max(held[e], home[e]) for e in engines}
+        held = self._exact_fractions(engines, prompt)
+        return {e: max(held.get(e, 0.0), home[e]) for e in engines}
+
+    def _exact_fractions(self, engines: Sequence[str], prompt: Prompt) -> dict[str, float]:
+        """The fraction each engine holds, for the engines it can be told of exactly."""
+        out: dict[str, float] = {}
+        if prompt.tokens is None:
+            return out
+        for engine in engines:
+            block_size = self.subs.block_size(engine)
+            if block_size is not None:
+                held = self._held_blocks(engine, prompt.exact_hashes(block_size))
+                out[engine] = held * block_size / max(1, len(prompt.tokens))
+        return out
 
     def sent_fractions(self, engines: Sequence[str], prompt: Prompt) -> dict[str, float]:
         """For each engine, the fraction of the prompt the router has sent it before (the
