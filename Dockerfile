@@ -27,7 +27,7 @@ RUN pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 WORKDIR /opt/baton
 COPY pyproject.toml README.md ./
 COPY baton ./baton
-RUN pip install . && baton --help > /dev/null
+RUN pip install ".[tracing]" && baton --help > /dev/null
 
 # Non-root; the operator's Deployment also sets runAsUser 10001 and a read-only root.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin baton

@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import logging
 import sys
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from baton import logs
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -50,7 +51,7 @@ def _chosen(argv: list[str]) -> str | None:
     for word in argv:
         if skip_next:
             skip_next = False
-        elif word == "--log-level":
+        elif word in ("--log-level", "--log-format"):
             skip_next = True
         elif not word.startswith("-"):
             return word
@@ -59,7 +60,7 @@ def _chosen(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="INFO")
+    logs.add_log_args(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = _chosen(argv)
     for name, (module_name, help_text) in COMMANDS.items():
@@ -74,7 +75,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, component=args.command)
     try:
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -271,6 +271,7 @@ class HTTPServer:
             http=type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), timeout),
             lifespan=lifespan,
             access_log=listen.access_log,
+            log_config=None,  # uvicorn's lines go through the process's handler (baton.logs)
             log_level=listen.uvicorn_log_level,
             timeout_graceful_shutdown=int(graceful_shutdown),
             ssl_certfile=listen.ssl_certfile,

@@ -13,6 +13,9 @@ serve` are passed on to them.
 engines from the router (the same key, as the router's upstream key). It reaches the children
 in their environment, not on their command lines, where any local user could read it. The
 prefill and decode engines share a hand-off secret made for this run alone, the same way.
+
+`--prometheus [PORT]` also runs a local Prometheus that scrapes the router and the engines (see
+`baton.local_prometheus`), started with the engines and stopped with the router.
 """
 
 from __future__ import annotations
@@ -36,6 +39,13 @@ import aiohttp
 
 from baton.http_server import API_KEY_ENV, HTTPServer
 from baton.kv_transfer.keyring import SECRET_ENV, new_secret
+from baton.local_prometheus import (
+    EngineTarget,
+    LocalPrometheus,
+    PrometheusConfig,
+    add_prometheus_args,
+    prometheus_from_args,
+)
 from baton.router.cli import UPSTREAM_API_KEY_ENV, add_routing_args
 
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
@@ -152,6 +162,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stop-timeout", type=float, default=30.0, help="seconds each process gets to stop"
     )
+    add_prometheus_args(parser)
     routing = parser.add_argument_group("router (passed to baton router)")
     add_routing_args(routing)
     for action in routing._group_actions:
@@ -176,6 +187,7 @@ class Plan:
     port: int
     log_level: str
     api_key: str | None = field(default=None, repr=False)  # None: no keys anywhere
+    prometheus: PrometheusConfig | None = None  # None: no local Prometheus
 
     def __post_init__(self) -> None:
         counts = (self.num_prefill, self.num_decode, self.num_both)
@@ -203,16 +215,21 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         engine_words.append("--disable-uvicorn-access-log")
     routing = argparse.ArgumentParser(add_help=False)
     add_routing_args(routing)
+    router_words = _argv(routing._actions, values, "")
+    traces = values.get("engine__otlp_traces_endpoint")  # an engine flag the router takes too
+    if traces:
+        router_words += ["--otlp-traces-endpoint", str(traces)]
     return Plan(
         num_prefill=num_prefill,
         num_decode=num_decode,
         num_both=args.engines,
         engine_words=tuple(engine_words),
-        router_words=tuple(_argv(routing._actions, values, "")),
+        router_words=tuple(router_words),
         host=args.host,
         port=args.port,
         log_level=getattr(args, "log_level", "INFO"),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        prometheus=prometheus_from_args(args),
     )
 
 
@@ -233,6 +250,7 @@ class Child:
     url: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict, repr=False)  # the whole environment
+    health_path: str = "/health"  # answers 200 once it is ready
     proc: asyncio.subprocess.Process | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=_LOG_TAIL))
     ready_after: float | None = None
@@ -308,6 +326,9 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.engines: list[Child] = []
         self.router: Child | None = None
+        # Made here: a missing `prometheus` binary fails before any engine loads.
+        self.local_prometheus = LocalPrometheus(plan.prometheus) if plan.prometheus else None
+        self.prometheus: Child | None = None
         self.stopping = asyncio.Event()
         self._kill_now = False
         self._kv_secret = new_secret()  # this run's hand-off secret
@@ -365,7 +386,27 @@ class Supervisor:
         self.stopping.set()
 
     def _children(self) -> list[Child]:
-        return [*self.engines, *([self.router] if self.router else [])]
+        return [*self.engines, *self._front()]
+
+    def _front(self) -> list[Child]:
+        """The processes stopped before the engines: the router and the local Prometheus."""
+        return [c for c in (self.prometheus, self.router) if c is not None]
+
+    def _prometheus(self) -> Child | None:
+        """The local Prometheus (--prometheus) that scrapes the router and the engines. It
+        starts with the engines: their addresses are known, and a taken port fails early."""
+        if self.local_prometheus is None:
+            return None
+        p = self.plan
+        host = "127.0.0.1" if p.host in ("0.0.0.0", "::") else p.host
+        engines = [
+            EngineTarget(c.url.removeprefix("http://"), c.name, c.name.split("-")[0])
+            for c in self.engines
+        ]
+        argv = self.local_prometheus.command(f"{host}:{p.port}", engines)
+        env = self._env(**{API_KEY_ENV: None, UPSTREAM_API_KEY_ENV: None, SECRET_ENV: None})
+        url = self.local_prometheus.url
+        return Child("prometheus", url, argv, env, health_path="/-/ready")
 
     async def _start(self) -> bool:
         p = self.plan
@@ -373,9 +414,11 @@ class Supervisor:
         self.engines = [self._engine(role, i) for role, n in roles for i in range(n)]
         what = " + ".join(f"{n} {r if r != 'both' else 'aggregated'}" for r, n in roles if n)
         _say(f"starting {what} engine(s); each loads the model and sizes its KV cache")
-        for child in self.engines:
+        self.prometheus = self._prometheus()
+        starting = [*self.engines, *([self.prometheus] if self.prometheus else [])]
+        for child in starting:
             await child.start()
-        if not await self._wait_healthy(self.engines):
+        if not await self._wait_healthy(starting):
             return False
         words = ["router", "--host", p.host, "--port", str(p.port), *p.router_words]
         for child in self.engines:
@@ -410,7 +453,8 @@ class Supervisor:
                             + "\n  ".join(child.tail)
                         )
                         return False
-                    if child.ready_after is None and await _healthy(client, child.url):
+                    health = child.url + child.health_path
+                    if child.ready_after is None and await _healthy(client, health):
                         child.ready_after = time.monotonic() - started
                         _say(f"{child.name} ready at {child.url} ({child.ready_after:.1f} s)")
                 waiting = [c.name for c in children if c.ready_after is None]
@@ -443,13 +487,17 @@ class Supervisor:
             f"Metrics: {url}/metrics   Engines: {url}/engines   Ctrl-C stops everything.\n",
             flush=True,
         )
+        if self.local_prometheus is not None:
+            print(self.local_prometheus.summary() + "\n", flush=True)
 
     async def _watch(self) -> int:
-        """Until a signal (exit 0) or the router's death (exit 1), restarting engines that die.
+        """Until a signal (exit 0) or the router's death (exit 1), restarting engines (and the
+        local Prometheus) that die.
 
         The restarts are cancelled before anything is stopped: a signal during a backoff starts
         no new engine."""
-        restarts = [asyncio.create_task(self._keep_alive(child)) for child in self.engines]
+        watched = [*self.engines, *([self.prometheus] if self.prometheus else [])]
+        restarts = [asyncio.create_task(self._keep_alive(child)) for child in watched]
         try:
             while not self.stopping.is_set():
                 if self.router is not None and self.router.exited:
@@ -486,8 +534,9 @@ class Supervisor:
             await child.start()
 
     async def _stop_all(self) -> None:
-        """The router first (no new requests), then the engines (they drain), then SIGKILL."""
-        for group in ([self.router] if self.router else [], self.engines):
+        """The router (no new requests) and Prometheus first, then the engines (they drain),
+        then SIGKILL; then Prometheus's temp dir goes."""
+        for group in (self._front(), self.engines):
             live = [c for c in group if c.proc is not None and not c.exited]
             for child in live:
                 child.signal(signal.SIGKILL if self._kill_now else signal.SIGTERM)
@@ -496,13 +545,15 @@ class Supervisor:
                     _say(f"{child.name} did not stop in {self.stop_timeout:.0f} s; killing it")
                     child.signal(signal.SIGKILL)
                     await child.wait(5)
+        if self.local_prometheus is not None:
+            self.local_prometheus.cleanup()
         if self.engines or self.router:
             _say("stopped")
 
 
 async def _healthy(client: aiohttp.ClientSession, url: str) -> bool:
     try:
-        async with client.get(f"{url}/health") as response:
+        async with client.get(url) as response:
             return response.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 
+from baton import logs
 from baton.engine import protocol as p
 from baton.engine.core import EngineCore
 from baton.engine.executor import WorkerDiedError
@@ -36,7 +37,7 @@ _WAKE = None  # put in the input queue to wake the loop; handled as "nothing"
 
 def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> None:
     """The EngineCore process, as `AsyncLLM.start` runs it (`python -m`, below)."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s[core]: %(message)s")
+    logs.configure(log_level, component="engine-core")
     parent = os.getppid()
     ctx = zmq.Context()
     handshake = ctx.socket(zmq.PAIR)

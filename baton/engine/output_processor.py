@@ -96,6 +96,8 @@ class OutputProcessor:
             req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None and req.queue_time is None:
                 req.queue_time = out.queue_time
+            if out.prefill_time is not None and req.prefill_time is None:
+                req.prefill_time = out.prefill_time
             if out.prompt_logprobs is not None and req.prompt_logprobs is None:
                 # The request's first output carries them (n > 1: any child's, all equal).
                 # Nothing predicts the first prompt token, so its entry is None, as in vLLM.

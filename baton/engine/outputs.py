@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled
+    prefill_time: float | None = None  # seconds from first scheduled to the first token
     # A prefill engine's answer: where the decode engine pulls this prompt's KV from.
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None  # the engine ended it (finish_reason "error"): why

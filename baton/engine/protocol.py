@@ -110,6 +110,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
+    prefill_time: float | None = None  # seconds from first scheduled to the first token, with it
     # On the last output of a prefill request whose KV is leased to a decode engine.
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None  # with finish_reason "error": the message for the client

@@ -108,6 +108,7 @@ class LeaseSpec:
     req_id: str
     block_ids: list[int]
     expires_at: float
+    client_request_id: str | None = None  # for the lease's log lines (`baton.tracing`)
 
 
 @dataclass
@@ -174,7 +175,13 @@ class KVTransport(Protocol):
         """Registers the KV tensor, starts serving, returns the port readers connect to."""
         ...
 
-    def lease(self, req_id: str, block_ids: list[int], expires_at: float) -> None: ...
+    def lease(
+        self,
+        req_id: str,
+        block_ids: list[int],
+        expires_at: float,
+        client_request_id: str | None = None,
+    ) -> None: ...
 
     def finished_leases(self, now: float) -> tuple[list[str], list[str]]:
         """(claimed since the last call, expired now); both are gone from the transport."""

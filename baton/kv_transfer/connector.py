@@ -164,7 +164,9 @@ class PullConnector(KVConnectorBase):
         if not lease_ids:
             return None
         expires_at = time.time() + self.config.lease_seconds
-        self._meta.leases.append(LeaseSpec(request.request_id, lease_ids, expires_at))
+        self._meta.leases.append(
+            LeaseSpec(request.request_id, lease_ids, expires_at, params.client_request_id)
+        )
         remote = RemotePrefill(
             engine_id=self.config.engine_id,
             host=self.config.public_host,
@@ -208,7 +210,9 @@ class PullConnector(KVConnectorBase):
         if transport is None or pool is None:
             raise RuntimeError("register_kv_cache first")
         for lease in metadata.leases:
-            transport.lease(lease.req_id, lease.block_ids, lease.expires_at)
+            transport.lease(
+                lease.req_id, lease.block_ids, lease.expires_at, lease.client_request_id
+            )
             self._num_leases += 1
         rank = self.config.rank  # this rank reads the matching rank's shard
         for spec in metadata.loads:

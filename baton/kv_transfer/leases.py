@@ -14,6 +14,7 @@ not pin the blocks forever).
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -23,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from baton.kv_transfer.checksum import block_bytes, block_crcs
+from baton.tracing import log_for
 
+logger = logging.getLogger(__name__)
 MAX_HOLD_S = 30.0  # longest a lookup protects a lease from expiry
 _EXPIRED_MEMORY = 4096  # expired ids remembered, so a late reader hears EXPIRED
 
@@ -54,6 +57,7 @@ class _Lease:
     block_ids: frozenset[int]
     expires_at: float  # Unix time, seconds
     crcs: Future[list[int]]  # per block, in sorted id order; computed off the busy loop
+    client_request_id: str | None  # the client's id of the request, for the lease's log lines
 
 
 @dataclass
@@ -82,22 +86,36 @@ class LeaseTable:
 
     # ---- the busy loop's side
 
-    def lease(self, request_id: str, block_ids: list[int], expires_at: float) -> None:
-        """Makes `block_ids` readable under `request_id` until `expires_at` (Unix time)."""
+    def lease(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        expires_at: float,
+        client_request_id: str | None = None,
+    ) -> None:
+        """Makes `block_ids` readable under `request_id` until `expires_at` (Unix time);
+        `client_request_id` names the client's request in the lease's log lines."""
         bad = [b for b in block_ids if not 0 <= b < self._num_blocks]
         if bad:
             raise ValueError(f"block ids {bad[:8]} out of range [0, {self._num_blocks})")
         ids = sorted(set(block_ids))
         crcs = self._crc_pool.submit(block_crcs, self._kv, ids)
         with self._lock:
-            self._leases[request_id] = _Lease(frozenset(ids), expires_at, crcs)
+            self._leases[request_id] = _Lease(frozenset(ids), expires_at, crcs, client_request_id)
             self._expired.pop(request_id, None)
+        log_for(
+            client_request_id, logger, logging.DEBUG, "KV lease %s: %d blocks", request_id, len(ids)
+        )
 
     def release(self, request_id: str) -> bool:
         """Drops a lease without reporting it; False when there was none."""
         with self._lock:
             self._drop_hold(request_id)
-            return self._leases.pop(request_id, None) is not None
+            lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        log_for(lease.client_request_id, logger, logging.DEBUG, "KV lease %s released", request_id)
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Drops the leases whose time passed (not those held by a read) and returns them."""
@@ -108,11 +126,13 @@ class LeaseTable:
                 for rid, lease in self._leases.items()
                 if lease.expires_at < now and rid not in self._holds
             ]
+            ended = [(rid, self._leases.pop(rid)) for rid in gone]
             for rid in gone:
-                del self._leases[rid]
                 self._expired[rid] = None
             while len(self._expired) > _EXPIRED_MEMORY:
                 self._expired.popitem(last=False)
+        for rid, lease in ended:
+            log_for(lease.client_request_id, logger, logging.DEBUG, "KV lease %s expired", rid)
         return gone
 
     def claimed(self) -> list[str]:
@@ -148,6 +168,10 @@ class LeaseTable:
             hold.reads += 1
             hold.until = max(hold.until, until)
             self.reading.set()
+        log_for(
+            lease.client_request_id, logger, logging.DEBUG,
+            "serving KV lease %s: %d of its %d blocks", request_id, len(ids), len(lease.block_ids),
+        )  # fmt: skip
         # Not waiting on an unfinished background pass: it may be queued behind other leases.
         fut = lease.crcs
         if fut.done() and not fut.cancelled():
@@ -170,10 +194,15 @@ class LeaseTable:
             return Status.UNKNOWN_ENGINE
         with self._lock:
             self._drop_hold(request_id)
-            if self._leases.pop(request_id, None) is None:
+            lease = self._leases.pop(request_id, None)
+            if lease is None:
                 return Status.UNKNOWN_REQUEST
             self._claimed.append(request_id)
-            return Status.OK
+        log_for(
+            lease.client_request_id, logger, logging.DEBUG,
+            "KV lease %s claimed (read, or released by its reader)", request_id,
+        )  # fmt: skip
+        return Status.OK
 
     def holding(self) -> bool:
         """Whether a read may still be in progress (drops holds that ran out)."""

@@ -130,6 +130,9 @@ class KVTransferParams(msgspec.Struct, frozen=True, omit_defaults=True):
     do_remote_decode: bool = False
     remote: RemotePrefill | None = None  # set: do_remote_prefill, from there
     load_failure_policy: str | None = None  # None: the engine's --kv-load-failure-policy
+    # The client's request id (`baton.tracing`), set by the API server, never read from or
+    # written to JSON: a prefill engine's lease keeps it, so that the lease's log lines name it.
+    client_request_id: str | None = None
 
     @property
     def do_remote_prefill(self) -> bool:

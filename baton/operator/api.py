@@ -1,6 +1,7 @@
 """The operator's API calls, on plain JSON objects: get, list, server-side apply, delete, a status
-patch and a create. Errors are the library's `DynamicApiError`s (an `ApiException` with the
-HTTP `status`; `NotFoundError` for 404 and so on).
+patch, a create, and whether the server serves a kind (discovery). Errors are the library's
+`DynamicApiError`s (an `ApiException` with the HTTP `status`; `NotFoundError` for 404 and so
+on).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ PLURALS = {
     "Secret": "secrets",
     "EndpointSlice": "endpointslices",
     "Event": "events",
+    "PodMonitor": "podmonitors",
 }
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"
@@ -45,6 +47,18 @@ class Api:
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
+
+    async def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the server serves `kind` in `api_version`, from its discovery document (which
+        every account may read): False when the group or version is unknown, as a CRD not
+        installed is."""
+        group, _, version = api_version.rpartition("/")
+        path = f"/apis/{group}/{version}" if group else f"/api/{version}"
+        try:
+            found = await self.cluster.request("GET", path)
+        except NotFoundError:
+            return False
+        return any(r.get("kind") == kind for r in found.get("resources") or [])
 
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object, or None when it does not exist."""

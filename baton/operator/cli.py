@@ -13,6 +13,7 @@ import kopf
 from baton.kube import SERVICE_ACCOUNT, load_configuration
 from baton.operator.canary import CanaryConfig
 from baton.operator.handlers import Controller, register
+from baton.operator.monitoring import PodMonitorConfig
 from baton.operator.resources import NetworkAccess
 
 DEFAULT_NAMESPACE = "baton-system"
@@ -74,6 +75,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="seconds one canary hand-off may take before it counts as failed",
     )
     parser.add_argument(
+        "--pod-monitors",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="make a Prometheus Operator PodMonitor for each service's engine and router pods, "
+        "where the cluster serves the PodMonitor CRD",
+    )
+    parser.add_argument(
+        "--pod-monitor-interval",
+        default="15s",
+        help="how often the PodMonitors have Prometheus scrape the pods",
+    )
+    parser.add_argument(
+        "--pod-monitor-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a label on every PodMonitor, for a Prometheus' podMonitorSelector (repeatable)",
+    )
+    parser.add_argument(
         "--health-port",
         type=int,
         default=8080,
@@ -95,6 +115,17 @@ def own_namespace() -> str:
         return DEFAULT_NAMESPACE
 
 
+def _labels(pairs: list[str]) -> dict[str, str]:
+    """`KEY=VALUE` flags as a dict; raises `ValueError` for one without `=`."""
+    labels = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--pod-monitor-label {pair!r}: expected KEY=VALUE")
+        labels[key] = value
+    return labels
+
+
 def run(args: argparse.Namespace) -> int:
     asyncio.run(_operate(args))
     return 0
@@ -113,6 +144,9 @@ async def _operate(args: argparse.Namespace) -> None:
     canary = None
     if args.kv_canary_seconds > 0:
         canary = CanaryConfig(args.kv_canary_seconds, args.kv_canary_timeout)
+    monitoring = None
+    if args.pod_monitors:
+        monitoring = PodMonitorConfig(args.pod_monitor_interval, _labels(args.pod_monitor_label))
     controller = Controller(
         args.kubeconfig,
         namespaces,
@@ -121,6 +155,7 @@ async def _operate(args: argparse.Namespace) -> None:
         access,
         canary,
         args.gateway_url or None,
+        monitoring,
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.

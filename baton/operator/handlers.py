@@ -19,6 +19,7 @@ from baton.kube import ISVC_LABEL, MANAGED_BY_LABEL, Cluster, connect, load_conf
 from baton.operator import crd
 from baton.operator.api import PLURALS, Api
 from baton.operator.canary import CanaryConfig
+from baton.operator.monitoring import PodMonitorConfig
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
 from baton.operator.resources import MANAGER, NetworkAccess
 
@@ -36,6 +37,8 @@ class Controller:
     access: NetworkAccess = field(default_factory=NetworkAccess)
     canary: CanaryConfig | None = field(default_factory=CanaryConfig)  # None: no KV canary
     gateway_url: str | None = None
+    # None: no PodMonitors (they are made only where the cluster serves the kind anyway).
+    monitoring: PodMonitorConfig | None = field(default_factory=PodMonitorConfig)
     reconciler: Reconciler | None = None
     _cluster: Cluster | None = None
     _resync: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -49,6 +52,7 @@ class Controller:
             namespaces=self.namespaces,
             canary=self.canary,
             gateway_url=self.gateway_url,
+            monitoring=self.monitoring,
         )
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop(self.reconciler))
 

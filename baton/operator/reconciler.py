@@ -14,6 +14,11 @@ A served model name belongs to the earliest service (by creationTimestamp) that 
 among the namespaces the operator watches; a later one gets `ModelNameConflict=True`, a Warning
 Event, and engine Services without the gateway's label, so the gateway never merges two
 tenants' engines into one model's pool.
+
+Where the cluster serves the Prometheus Operator's PodMonitor, each service also gets one
+(`monitoring.py`), applied like any child but not watched: a watch of a kind the cluster may
+not serve would fail, so a PodMonitor edited or deleted by hand is put back by the service's
+next pass (the periodic resync at the latest).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from baton.operator import crd
 from baton.operator.api import Api
 from baton.operator.canary import Canary, CanaryConfig, Target, kv_path, kv_path_ready
 from baton.operator.events import event_body
+from baton.operator.monitoring import PodMonitorConfig, PodMonitorSupport, pod_monitor
 from baton.operator.pods import KV_SECRET_KEY
 from baton.operator.resources import (
     COMPONENT_LABEL,
@@ -114,11 +120,16 @@ class Reconciler:
     canary: CanaryConfig | None = None
     # The cluster gateway's URL, said in the status of every service it serves (None: none).
     gateway_url: str | None = None
+    # None: no PodMonitors; otherwise one per service where the cluster serves the kind.
+    monitoring: PodMonitorConfig | None = None
     _canary: Canary | None = field(default=None, init=False)
+    _pod_monitors: PodMonitorSupport | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.canary is not None:
             self._canary = Canary(self.api, self.canary, self.trigger)
+        if self.monitoring is not None:
+            self._pod_monitors = PodMonitorSupport(self.api)
 
     async def trigger(self, namespace: str, name: str) -> None:
         """Reconciles now, or once more after the pass in progress. Never raises."""
@@ -201,6 +212,9 @@ class Reconciler:
         except SpecError as e:
             await self._write_status(isvc, failed_status(isvc, e.reason, e.message, now_iso()))
             return
+        monitors = self._pod_monitors
+        if self.monitoring is not None and monitors is not None and await monitors.served():
+            desired.append(pod_monitor(isvc, spec, self.monitoring))
         if owner is None:
             self._model_owners.pop((namespace, name), None)
         else:

@@ -16,10 +16,12 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from baton.errors import APIError
+from baton.http_metrics import HTTPMetrics
 from baton.http_server import CLIENT_CLOSED, ClientGone
 from baton.router.discovery import Discovery
 from baton.router.metrics import CONTENT_TYPE
 from baton.router.router import Router
+from baton.tracing import RequestTracing
 
 logger = logging.getLogger(__name__)
 
@@ -95,4 +97,6 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    app.add_middleware(HTTPMetrics, registry=metrics.registry)
+    app.add_middleware(RequestTracing, tracer=router.tracer, forward_id=True)
     return app

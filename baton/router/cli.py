@@ -15,6 +15,7 @@ from baton.http_server import ListenConfig, add_listen_args, api_keys_from_args
 from baton.router.config import POLICIES, RouterConfig
 from baton.router.discovery import Discovery, Endpoint, StaticDiscovery
 from baton.router.server import serve
+from baton.tracing import add_tracing_args
 
 UPSTREAM_API_KEY_ENV = "BATON_UPSTREAM_API_KEY"  # --upstream-api-key when the flag is absent
 
@@ -130,6 +131,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="CA bundle that https:// engines' certificates are verified with (default: the "
         "system's)",
     )
+    add_tracing_args(parser)
     static = parser.add_argument_group("static discovery (URLs may repeat the flag)")
     for role in ("prefill", "decode"):
         static.add_argument(

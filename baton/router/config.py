@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from baton.tracing import check_endpoint
+
 PolicyName = Literal["round-robin", "least-load", "prefix-aware"]
 POLICIES: tuple[PolicyName, ...] = ("round-robin", "least-load", "prefix-aware")
 OnNoPrefill = Literal["fail", "decode"]
@@ -66,6 +68,9 @@ class RouterConfig:
     upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
     upstream_ca_certs: str | None = None  # CAs for https:// engines; None: the system's
 
+    # -- tracing (`baton.tracing`) --
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for spans (vLLM's flag)
+
     def __post_init__(self) -> None:
         for field, value in (
             ("prefill_policy", self.prefill_policy),
@@ -114,6 +119,7 @@ class RouterConfig:
                 raise ValueError(f"{field} must be >= 0, got {number}")
         if self.upstream_api_key == "":
             raise ValueError("upstream_api_key must not be empty (None: send no key)")
+        check_endpoint(self.otlp_traces_endpoint)
         if not 0 < self.disagg_cached_fraction <= 1:
             raise ValueError(
                 f"disagg_cached_fraction must be in (0, 1], got {self.disagg_cached_fraction}"

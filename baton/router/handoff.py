@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response
 
+from baton import tracing
 from baton.errors import APIError
 from baton.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL
 from baton.router.engines import DECODE_ROLES, PREFILL_ROLES
@@ -157,6 +158,7 @@ class Handoff:
         if answer.status != 200:  # the prompt itself is bad: the client must hear why
             self._count("failed", routed, f"prefill answered {answer.status}")
             return router.upstream.response(answer, routed.route, routed.started)
+        tracing.current().set(tracing.SpanAttributes.PREFILL_ENGINE, answer.engine.url)
         params = _kv_transfer_params(answer.body)
         if params is None:
             logger.warning(
@@ -224,6 +226,7 @@ class Handoff:
 
     def _count(self, outcome: DisaggOutcome, routed: Routed, why: str) -> None:
         self.router.metrics.disagg_decision(outcome)
+        tracing.current().set(tracing.SpanAttributes.DISAGG_OUTCOME, outcome)
         if outcome != "disaggregated":
             logger.debug("%s %s: %s (%s)", routed.route, routed.model, outcome, why)
 

@@ -23,6 +23,7 @@ import aiohttp
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from baton import tracing
 from baton.errors import APIError
 from baton.http_server import ClientGone, cancel_on_disconnect
 from baton.roles import ROLES, Role
@@ -55,7 +56,9 @@ from baton.router.tokenizers import (
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED_HEADERS = ("x-request-id", "authorization")
+# The client's trace context goes on as it came when the router does not trace (a proxy that
+# takes no part in a W3C trace passes it through); its own span's replaces it when it does.
+_FORWARDED_HEADERS = ("x-request-id", "authorization", *tracing.TRACE_HEADERS)
 
 # Says which engine's KV blocks a request reads or keeps: only the router's own hand-off may
 # set it (a client's would make an engine connect where the client says, or hand the client
@@ -137,6 +140,7 @@ class Router:
         self.decode_policy = make_policy(config.decode_policy, self.view, weight)
         self._any_policy = RoundRobin()
         self.handoff = Handoff(self)
+        self.tracer = tracing.Tracer(config.otlp_traces_endpoint, "baton-router", "router")
         self._discovery: asyncio.Task[None] | None = None
         self.discovered = asyncio.Event()  # discovery delivered its first set
 
@@ -174,6 +178,7 @@ class Router:
         await self.tokenizers.close()
         if self._session is not None:
             await self._session.close()
+        await asyncio.to_thread(self.tracer.shutdown)  # the spans still queued
 
     def on_discovery(self, endpoints: frozenset[Endpoint]) -> None:
         added, removed = self.engines.update(endpoints)
@@ -246,8 +251,11 @@ class Router:
         headers |= {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
         # One id for every engine of the request (and so one response id when a stream moves).
         headers.setdefault("x-request-id", uuid.uuid4().hex)
+        trace = tracing.current()
+        headers |= trace.headers()  # the engines' spans are children of the router's
         raw = client_body(raw, body)
         model = self.resolve_model(body.get("model"))
+        trace.set(tracing.SpanAttributes.GEN_AI_RESPONSE_MODEL, model)
         raw = self._salt(request, raw, body)
         prompt = prompt_of(body)
         salt = body.get(CACHE_SALT)
@@ -416,6 +424,7 @@ class Router:
             answer = await send
         else:  # a client that leaves stops the engine's work (the engine aborts on close)
             answer = await cancel_on_disconnect(routed.request, send)
+        tracing.current().set(tracing.SpanAttributes.ENGINE, answer.engine.url)
         headers = {"x-request-id": routed.headers["x-request-id"], **(extra_headers or {})}
         if not (routed.migratable and answer.stream is not None):
             return self.upstream.response(answer, routed.route, routed.started, headers)

@@ -89,11 +89,12 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """`name{other labels}` → value; the model_name and engine labels are checked, then
-        left out of the key."""
+        left out of the key. The families vLLM labels otherwise (the HTTP metrics, the cache
+        config info) are left out."""
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         values = {}
         for line in text.splitlines():
-            if not line or line.startswith("#"):
+            if not line or line.startswith(("#", "http_", "vllm:cache_config_info")):
                 continue
             key, value = line.rsplit(" ", 1)
             name, _, labels = key.partition("{")

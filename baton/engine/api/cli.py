@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
+from baton import logs
 from baton.cli import from_args
 from baton.engine.api.reasoning import REASONING_PARSERS
 from baton.engine.api.server import ServerConfig, serve
@@ -20,6 +20,7 @@ from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
 from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, default_secret_file
 from baton.kv_transfer.params import FAILURE_POLICIES
 from baton.roles import ROLES
+from baton.tracing import add_tracing_args
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +104,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held",
     )
     parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="record no per-request or per-step metrics (latency histograms, token counters); "
+        "/metrics still shows the engine's gauges",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": the --tool-call-parser finds the calls in the answer',
@@ -119,6 +126,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think>...</think> reasoning into reasoning_content (vLLM's names)",
     )
+    add_tracing_args(parser)
     k = KVTransferConfig
     parser.add_argument(
         "--role",
@@ -249,10 +257,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="baton engine", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    logs.add_log_args(parser)
     add_server_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(args.log_level, args.log_format, component="engine")
     try:
         code = run(args)
     except (ValueError, FileNotFoundError) as e:

@@ -35,6 +35,7 @@ from baton.engine.api.tools import ToolConfig
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EngineArgs
 from baton.errors import APIError
+from baton.http_metrics import HTTPMetrics
 from baton.http_server import (
     CLIENT_CLOSED,
     ClientGone,
@@ -43,6 +44,7 @@ from baton.http_server import (
     cancel_on_disconnect,
     run,
 )
+from baton.tracing import RequestTracing, check_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +70,11 @@ class ServerConfig(ListenConfig):
     # usage.prompt_tokens_details.cached_tokens (vLLM's flag, off by default there; on here, as
     # OpenAI always sends it)
     enable_prompt_tokens_details: bool = True
+    disable_log_stats: bool = False  # no per-request metrics (vLLM's flag); gauges still scrape
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (with tool_call_parser)
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for spans (vLLM's flag)
     access_log: bool = True
     uvicorn_log_level: str = "info"
 
@@ -81,6 +85,7 @@ class ServerConfig(ListenConfig):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         self.tool_config()  # an unknown parser name stops the start, naming the known ones
+        check_endpoint(self.otlp_traces_endpoint)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
@@ -153,6 +158,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         trust_request_chat_template=config.trust_request_chat_template,
         prompt_tokens_details=config.enable_prompt_tokens_details,
         tool_config=config.tool_config(),
+        log_stats=not config.disable_log_stats,
+        otlp_traces_endpoint=config.otlp_traces_endpoint,
     )
     app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
     app.state.server = server
@@ -223,6 +230,8 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         return await cancel_on_disconnect(raw, server.chat_completions(req, _request_id(raw)))
 
     app.add_middleware(_BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(HTTPMetrics, registry=server.metrics.registry)
+    app.add_middleware(RequestTracing, tracer=server.tracer)
     return app
 
 
@@ -298,6 +307,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
             await serving
     finally:
         stopped.cancel()
+        await asyncio.to_thread(server.tracer.shutdown)  # the spans still queued
         try:
             await asyncio.wait_for(llm.shutdown(), 10)
         except Exception:

@@ -14,6 +14,7 @@ Large prompts are tokenized (and chat templates rendered) on a small thread pool
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -27,22 +28,26 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Gauge
 from pydantic import BaseModel
 
+from baton import tracing
 from baton.block_hash import HASH_SCHEME
 from baton.engine.api import constraints, tools
 from baton.engine.api import protocol as p
 from baton.engine.api import responses as r
-from baton.engine.api.metrics import EngineMetrics
+from baton.engine.api.metrics import EngineMetrics, cache_config_info
 from baton.engine.api.streams import EventStream, PromptStream, cleanup_for, collect, merge
 from baton.engine.api.tools import ChoiceParser, ToolConfig
 from baton.engine.async_llm import AsyncLLM, check_resume_token_ids
 from baton.engine.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids
+from baton.engine.protocol import EngineStats
 from baton.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.engine.structured.backend import GrammarCompiler
 from baton.errors import APIError
 from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.params import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KVTransferParams
+
+logger = logging.getLogger(__name__)
 
 # Prompts of more characters than this are tokenized off the event loop: below it, the hop to a
 # thread costs more than the tokenization (about 1 MB/s here, so ~16 ms at the bound).
@@ -69,6 +74,8 @@ class EngineServer:
         trust_request_chat_template: bool = False,  # a request's own chat_template is rendered
         prompt_tokens_details: bool = True,  # usage says how many prompt tokens were cached
         tool_config: ToolConfig | None = None,  # tool calling and reasoning parsers
+        log_stats: bool = True,  # False: no per-request metrics (vLLM's --disable-log-stats)
+        otlp_traces_endpoint: str | None = None,  # where spans go (None: nowhere, no cost)
     ) -> None:
         self.tool_config = tool_config or ToolConfig()
         self.llm = llm
@@ -88,9 +95,21 @@ class EngineServer:
         # Checks the signature of every lease a decode request names before the core sees it.
         self.keys = KeyRing.load(kv.secret_file) if kv is not None else None
         self.metrics = EngineMetrics(
-            lambda: llm.stats, self.model_name, engine_label, self.role, llm.kv_transport
+            lambda: llm.stats,
+            self.model_name,
+            engine_label,
+            self.role,
+            llm.kv_transport,
+            max_model_len=llm.max_model_len,
+            cache_config=cache_config_info(llm.args, llm.num_blocks),
+            log_stats=log_stats,
         )
         llm.add_stats_listener(self.metrics.observe_step)
+        self.tracer = tracing.Tracer(otlp_traces_endpoint, "baton-engine", self.role)
+        # Engine request id -> the trace of its HTTP request, while it runs: the core reports
+        # a KV pull's end by engine request id.
+        self._traces: dict[str, tracing.RequestTrace] = {}
+        llm.add_stats_listener(self._on_kv_transfers)
         self.tensor_parallel_size = llm.args.tensor_parallel_size
         # The parallel layout as an info metric, as baton:engine_info gives role and transport.
         Gauge(
@@ -616,6 +635,9 @@ class EngineServer:
                 "resume_token_ids",
             )
         kv_params = self._kv_transfer_params(req.kv_transfer_params, len(inputs), req.n)
+        trace = tracing.current()
+        if kv_params is not None:  # a prefill engine's lease names the client's request
+            kv_params = msgspec.structs.replace(kv_params, client_request_id=trace.request_id)
         release = self._admit()
         streams = [
             PromptStream(
@@ -631,7 +653,66 @@ class EngineServer:
             )
             for rid, (prompt, params) in zip(request_ids, inputs, strict=True)
         ]
-        return streams, release
+        prompt_tokens = sum(len(ids) for (_, ids), _ in inputs)
+        return streams, self._traced(trace, request_ids, prompt_tokens, streams, release)
+
+    def _traced(
+        self,
+        trace: tracing.RequestTrace,
+        request_ids: list[str],
+        prompt_tokens: int,
+        streams: list[PromptStream],
+        release: Callable[[], None],
+    ) -> Callable[[], None]:
+        """`release`, noting first on the request's trace how it went (its end line and span
+        show it): tokens, time in queue, and a prefill request's lease. Until then its engine
+        requests are known to `_on_kv_transfers`."""
+        a = tracing.SpanAttributes
+        trace.set(a.GEN_AI_RESPONSE_MODEL, self.model_name)
+        trace.set(a.GEN_AI_USAGE_PROMPT_TOKENS, prompt_tokens)
+        for rid in request_ids:
+            self._traces[rid] = trace
+
+        def end() -> None:
+            for rid in request_ids:
+                self._traces.pop(rid, None)
+            outs = [s.last for s in streams if s.last is not None]
+            completion = sum(len(o.token_ids) for out in outs for o in out.outputs)
+            trace.set(a.GEN_AI_USAGE_COMPLETION_TOKENS, completion)
+            queued = [out.queue_time for out in outs if out.queue_time is not None]
+            if queued:
+                trace.set(a.GEN_AI_LATENCY_TIME_IN_QUEUE, max(queued))
+            for out in outs:
+                lease = out.kv_transfer_params  # a prefill answer: where its KV waits
+                if lease:
+                    trace.set(a.KV_LEASE, str(lease.get("remote_request_id")))
+                    trace.set(a.KV_LEASED_BLOCKS, len(lease.get("remote_block_ids") or ()))
+            release()
+
+        return end
+
+    def _on_kv_transfers(self, stats: EngineStats) -> None:
+        """Each KV pull that ended: a line under its request's id, and a `kv_pull` span under
+        its request's span, ending now (the core reports a pull within a step of its end)."""
+        a = tracing.SpanAttributes
+        for result in stats.kv_transfers:
+            trace = self._traces.get(result.req_id)
+            if trace is None:
+                continue
+            outcome = "ok" if result.ok else result.reason
+            pull: dict[str, tracing.AttributeValue] = {
+                a.KV_BYTES: result.num_bytes,
+                a.KV_SECONDS: result.seconds,
+                a.KV_OUTCOME: outcome,
+            }
+            for key, value in pull.items():
+                trace.set(key, value)
+            end = time.time()
+            trace.child("kv_pull", end - result.seconds, end, pull)
+            tracing.log_for(
+                trace.request_id, logger, logging.INFO, "KV pulled: %d bytes in %.3f s (%s)",
+                result.num_bytes, result.seconds, result.error or "ok",
+            )  # fmt: skip
 
     async def _respond(
         self,

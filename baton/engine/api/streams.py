@@ -45,10 +45,9 @@ class PromptStream:
             resume_token_ids=resume_token_ids,
             cache_salt=cache_salt,
         )
-        self._timer = RequestTimer(metrics, len(ids), params.n)
         # The snapshots of a resumed answer start with its resumed tokens: another engine
         # generated them (and counted them), so the metrics count from there.
-        self._timer.num_tokens = len(resume_token_ids or [])
+        self._timer = RequestTimer(metrics, len(ids), params, len(resume_token_ids or []))
         self._closed = False
         self.last: RequestOutput | None = None
 

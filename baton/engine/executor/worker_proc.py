@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from baton import logs
 from baton.engine.executor.kv_ranks import RankKV
 from baton.engine.executor.messages import (
     AllocateKVCache,
@@ -122,10 +123,7 @@ def main() -> None:
     config = pickle.load(sys.stdin.buffer)
     if not isinstance(config, WorkerConfig):
         raise SystemExit(f"expected a WorkerConfig on stdin, got {type(config).__name__}")
-    logging.basicConfig(
-        level=config.log_level,
-        format=f"%(levelname)s %(name)s[worker {config.rank}]: %(message)s",
-    )
+    logs.configure(config.log_level, component=f"engine-worker-{config.rank}")
     run_worker(config)
 
 

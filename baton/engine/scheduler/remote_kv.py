@@ -17,6 +17,7 @@ from baton.engine.kv_cache.manager import KVCacheManager
 from baton.engine.request import Request, RequestStatus
 from baton.kv_transfer.base import KVConnectorBase, KVConnectorOutput, TransferResult
 from baton.kv_transfer.params import KVTransferParams
+from baton.tracing import log_for
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,11 @@ class RemoteKV:
         for req_id in output.claimed_leases:
             self._end_lease(req_id)
         for req_id in output.expired_leases:
-            logger.info("KV lease of %s expired unclaimed; freeing its blocks", req_id)
+            leased = self.leased.get(req_id)
+            params = leased[0].kv_transfer_params if leased is not None else None
+            client_id = params.client_request_id if params is not None else None
+            message = "KV lease of %s expired unclaimed; freeing its blocks"
+            log_for(client_id, logger, logging.INFO, message, req_id)
             self.num_leases_expired += 1
             self._end_lease(req_id)
         return update

@@ -596,6 +596,9 @@ def _output(
     kv_params: KVTransferParams | None = None,
 ) -> EngineCoreOutput:
     """What one step reports for `request`: its new tokens, and how it ended if it did."""
+    # The phase times go with the first token this engine sampled only (the empty "stop" after
+    # a whole grammar has none).
+    first = request.num_output_tokens == request.num_resumed_tokens + 1 and bool(new_token_ids)
     return EngineCoreOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
@@ -604,11 +607,8 @@ def _output(
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
-        # On the first token this engine sampled only (the empty "stop" after a whole grammar
-        # has none).
-        queue_time=_queue_time(request)
-        if request.num_output_tokens == request.num_resumed_tokens + 1 and new_token_ids
-        else None,
+        queue_time=_queue_time(request) if first else None,
+        prefill_time=_prefill_time(request) if first else None,
         kv_transfer_params=kv_params,
     )
 
@@ -617,6 +617,13 @@ def _queue_time(request: Request) -> float | None:
     if request.first_scheduled_time is None:
         return None
     return max(0.0, request.first_scheduled_time - request.arrival_time)
+
+
+def _prefill_time(request: Request) -> float | None:
+    """From first scheduled to now, as its first token is out: both on this process's clock."""
+    if request.first_scheduled_time is None:
+        return None
+    return max(0.0, time.time() - request.first_scheduled_time)
 
 
 def _rank(request: Request) -> tuple[int, float]:

@@ -41,9 +41,15 @@ class TCPTransport:
         )
         return self._server.start()
 
-    def lease(self, req_id: str, block_ids: list[int], expires_at: float) -> None:
+    def lease(
+        self,
+        req_id: str,
+        block_ids: list[int],
+        expires_at: float,
+        client_request_id: str | None = None,
+    ) -> None:
         assert self._server is not None, "start first"
-        self._server.leases.lease(req_id, block_ids, expires_at)
+        self._server.leases.lease(req_id, block_ids, expires_at, client_request_id)
 
     def finished_leases(self, now: float) -> tuple[list[str], list[str]]:
         assert self._server is not None, "start first"

@@ -50,4 +50,9 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version | replace "+" "_" }}
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+# Each service's PodMonitor, where the Prometheus Operator's CRD is installed: read and
+# applied, never listed, watched or deleted (owner references remove it).
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["podmonitors"]
+  verbs: ["get", "create", "patch"]
 {{- end }}

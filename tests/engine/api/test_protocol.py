@@ -170,6 +170,7 @@ class FakeLLM:
         self.eos_token_ids = (2,)
         self.model_path = Path("/models/fake-model")
         self.max_model_len = 64
+        self.num_blocks = 16
         self.args = EngineArgs()
         self.kv_transport: str | None = None
         self.kv_ports: list[int] | None = None
