@@ -284,6 +284,17 @@ def test_a_whole_answer_survives_its_engine(stack: Serve, route: str) -> None:
     engine's."""
     body = _body(route, max_tokens=120)
     want_text, want_ids = _single(stack, route, body)
+    # On a loaded machine the answer may be whole before the kill lands (no retry then): the
+    # answer must be right every time, and one try must have been a retry.
+    for _ in range(3):
+        if _whole_answer_retried(stack, route, body, want_text, want_ids):
+            return
+    raise AssertionError("no kill landed while the engine computed the answer")
+
+
+def _whole_answer_retried(
+    stack: Serve, route: str, body: dict[str, Any], want_text: str, want_ids: list[int]
+) -> bool:
     urls = _all_healthy(stack)
     answer: dict[str, Any] = {}
 
@@ -311,4 +322,4 @@ def test_a_whole_answer_survives_its_engine(stack: Serve, route: str) -> None:
     choice = answer["body"]["choices"][0]
     text = choice["text"] if route == "/v1/completions" else choice["message"]["content"]
     assert choice["token_ids"] == want_ids and text == want_text
-    assert scrape(stack.url, "baton:router_retries_total") == retries + 1
+    return scrape(stack.url, "baton:router_retries_total") == retries + 1
