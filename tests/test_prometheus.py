@@ -1,11 +1,13 @@
 """A real Prometheus (`baton serve --prometheus`) scraping a router, one prefill and two decode
 engines of the tiny model under load: every query of the chart's Grafana dashboard, of its
-prometheus-adapter rules and of the operator's HPAs returns plausible numbers, the chart's rules
-load and evaluate, and promtool accepts them and the config serve generated.
+prometheus-adapter rules and of the operator's HPAs returns plausible numbers, the adapter
+exposes what the HPAs ask for and its values rise from idle to load, the chart's rules load and
+evaluate, and promtool accepts them and the config serve generated.
 
-One `baton serve` and one load phase for the module (`make test-long`); every query runs after
-it, within the queries' one-minute windows. The checks of promtool on the rules files and of
-the flags run in `make test`.
+One `baton serve` and one load phase for the module (`make test-long`): the adapter's queries
+are sampled once idle before it and once during it; every other query runs after it, within
+the queries' one-minute windows. The checks of promtool on the rules files, of the adapter
+rules' rendering and of the flags run in `make test`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import re
 import shutil
 import subprocess
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import yaml
@@ -31,6 +35,8 @@ import yaml
 from baton import serve
 from baton.local_prometheus import LocalPrometheus, PrometheusConfig
 from baton.operator.crd import DECODE_METRIC, PREFILL_METRIC
+from baton.operator.resources import desired_children
+from baton.operator.spec import parse_spec
 from tests.support.ports import free_port
 from tests.test_serve import ENGINE_FLAGS, ROOT, Serve, needs_roles
 
@@ -47,6 +53,10 @@ ADAPTER_TEMPLATE = CHART / "templates" / "prometheus-adapter.yaml"
 VALUES = CHART / "values.yaml"
 MODEL = "tiny"
 LOAD_SECONDS = 20.0
+LOAD_THREADS = 8
+# Engines run at most this many requests at once, so that the load queues some on the decode
+# engines: their waiting requests move too.
+MAX_NUM_SEQS = 2
 # Grafana's variables in the dashboard's queries, as a user who picked this model sees them;
 # any other variable stands for all its values.
 VARIABLES = {
@@ -76,6 +86,20 @@ FAULT_ONLY_SERIES = {
     "baton:kv_transfer_incompatible_total",
 }
 PREFIX = "The relay team passes the baton in a marked zone, and the next runner " * 3
+# Per pool, the adapter's metrics the module's load moves there: each pool's HPA default, and
+# on the decode engines, where the requests queue and spend their time, every gauge. (A prefill
+# of the tiny model takes milliseconds: a scrape seldom finds one running or waiting.)
+MOVE_WITH_LOAD = {
+    "prefill": {PREFILL_METRIC, "vllm:time_to_first_token_seconds_mean"},
+    "decode": {
+        DECODE_METRIC,
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:time_to_first_token_seconds_mean",
+        "vllm:inter_token_latency_seconds_mean",
+    },
+}
 
 
 def live(test: Callable[..., None]) -> Callable[..., None]:
@@ -85,23 +109,28 @@ def live(test: Callable[..., None]) -> Callable[..., None]:
 
 @dataclass
 class Stack:
-    """The serve run, its Prometheus, and its engines' pods by pool."""
+    """The serve run, its Prometheus, its engines' pods by pool, and what the adapter gave
+    them idle and under load."""
 
     serve: Serve
     prometheus: str
     config: Path  # the config serve generated (gone once serve stops)
     pools: dict[str, list[str]]  # pool -> pod names
+    idle: Sample  # before any request
+    loaded: Sample  # near the end of the load
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """`baton serve` of 1 prefill + 2 decode engines with `--prometheus` scraping every second,
-    after LOAD_SECONDS of load; stopped (Prometheus too, its temp dir removed) at the end."""
+    after LOAD_SECONDS of load, the adapter's queries sampled idle and loaded; stopped
+    (Prometheus too, its temp dir removed) at the end."""
     s = Serve(
         tmp_path_factory.mktemp("serve") / "serve.log",
         "--model", str(tiny_model("llama")), "--served-model-name", MODEL,
         "--prefill", "1", "--decode", "2", "--prometheus", str(free_port()),
         "--prometheus-scrape-interval", "1s", *ENGINE_FLAGS,
+        "--max-num-seqs", str(MAX_NUM_SEQS),
     )  # fmt: skip
     config: Path | None = None
     try:
@@ -112,10 +141,15 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         for target in _targets(prometheus):
             if target["job"] == "baton-engine":
                 pools.setdefault(target["pool"], []).append(target["pod"])
-        answered = _load(s.url, LOAD_SECONDS)
-        assert answered > 20, f"only {answered} requests answered"
+        time.sleep(2.5)  # two scrapes of every target: a rate has two samples
+        idle = _sample(prometheus, pools)
+        with ThreadPoolExecutor(1) as load:
+            answered = load.submit(_load, s.url, LOAD_SECONDS)
+            time.sleep(LOAD_SECONDS - 3)
+            loaded = _sample(prometheus, pools)
+        assert answered.result() > 20, f"only {answered.result()} requests answered"
         time.sleep(2.5)  # two more scrapes: the last requests are in
-        yield Stack(s, prometheus, config, pools)
+        yield Stack(s, prometheus, config, pools, idle, loaded)
     finally:
         code = s.stop()
     assert code == 0, s.log()
@@ -150,8 +184,8 @@ def _wait_targets_up(prometheus: str, count: int) -> None:
 
 
 def _load(url: str, seconds: float) -> int:
-    """Streamed and whole completions and chats from four threads for `seconds`, on prompts
-    that share a prefix (prefix-cache hits); the number of requests answered."""
+    """Streamed and whole completions and chats from LOAD_THREADS threads for `seconds`, on
+    prompts that share a prefix (prefix-cache hits); the number of requests answered."""
     deadline = time.monotonic() + seconds
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     args: Any = {"model": MODEL, "max_tokens": 24, "extra_body": {"ignore_eos": True}}
@@ -172,15 +206,15 @@ def _load(url: str, seconds: float) -> int:
             chunks = list(client.chat.completions.create(messages=messages, **streamed))
         return chunks[-1].usage.completion_tokens if chunks[-1].usage else None
 
-    def worker(kind: int) -> int:
+    def worker(thread: int) -> int:
         done = 0
         while time.monotonic() < deadline:
-            assert tokens(kind, f"{PREFIX} {kind}.{done}") == 24
+            assert tokens(thread % 4, f"{PREFIX} {thread}.{done}") == 24
             done += 1
         return done
 
-    with ThreadPoolExecutor(4) as pool:
-        return sum(pool.map(worker, range(4)))
+    with ThreadPoolExecutor(LOAD_THREADS) as pool:
+        return sum(pool.map(worker, range(LOAD_THREADS)))
 
 
 # ---- PromQL ----------------------------------------------------------------------------------
@@ -312,70 +346,203 @@ def test_every_dashboard_query_returns_plausible_values(stack: Stack) -> None:
 # ---- prometheus-adapter and the HPAs ---------------------------------------------------------
 
 
-def _adapter_queries() -> list[tuple[str, str, str]]:
-    """(metric, seriesQuery, metricsQuery) per metric, rendered as the chart does from
-    values.yaml's prometheusAdapter, without helm: the template's two query lines with their
-    `{{ . }}` and `{{ .Values.x.y }}` filled in (the adapter's `<<...>>` left to fill)."""
+@dataclass(frozen=True)
+class AdapterRule:
+    """One prometheus-adapter rule of the chart's ConfigMap."""
+
+    series_query: str
+    matches: str  # name.matches: a regular expression on a found series' name
+    exposed_as: str  # name.as: the name in the custom metrics API, `${1}` the match's group
+    metrics_query: str
+
+    def exposed(self, series: str) -> str | None:
+        """The name the adapter exposes `series` under; None if `matches` does not match it."""
+        found = re.search(self.matches, series)
+        return found.expand(re.sub(r"\$\{(\d+)\}", r"\\g<\1>", self.exposed_as)) if found else None
+
+    def query(self, series: str, pods: list[str]) -> str:
+        """The metricsQuery the adapter runs for `pods` of namespace `local` (serve's)."""
+        matchers = f'namespace="local",pod=~"{"|".join(pods)}"'
+        expr = self.metrics_query.replace("<<.Series>>", series)
+        return expr.replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod")
+
+
+def _adapter_config() -> dict[str, Any]:
+    """The ConfigMap's `config.yaml` as the chart renders it from values.yaml, without helm:
+    each `range` over a values list unrolled with `{{ . }}` filled in, `{{ $.Values.x.y }}`
+    looked up (test_adapter_config_renders_as_helm_does holds it to helm's)."""
     values = yaml.safe_load(VALUES.read_text())
-    template = ADAPTER_TEMPLATE.read_text()
-    lines = {k: re.search(rf"{k}: '(.+)'", template) for k in ("seriesQuery", "metricsQuery")}
-    assert all(lines.values()), f"no seriesQuery/metricsQuery line in {ADAPTER_TEMPLATE}"
+    text = ADAPTER_TEMPLATE.read_text().split("config.yaml: |\n", 1)[1]
+    text = text.rsplit("{{- end }}", 1)[0]  # that of `if .Values.prometheusAdapter.enabled`
 
-    def lookup(match: re.Match[str]) -> str:
+    def lookup(path: str) -> Any:
         value: Any = values
-        for key in match[1].split("."):
+        for key in path.split("."):
             value = value[key]
-        return str(value)
+        return value
 
-    rendered = []
-    for metric in values["prometheusAdapter"]["metrics"]:
-        pair = []
-        for found in lines.values():
-            assert found is not None
-            text = found[1].replace("{{ . }}", metric)
-            text = re.sub(r"\{\{\s*\$?\.Values\.([\w.]+)\s*\}\}", lookup, text)
-            assert "{{" not in text, f"left unrendered: {text}"
-            pair.append(text)
-        rendered.append((metric, pair[0], pair[1]))
-    return rendered
+    def unroll(found: re.Match[str]) -> str:
+        return "".join(found[2].replace("{{ . }}", str(item)) for item in lookup(found[1]))
+
+    text = re.sub(
+        r"\s*\{\{- range \.Values\.([\w.]+) \}\}(.*?)\s*\{\{- end \}\}", unroll, text, flags=re.S
+    )
+    text = re.sub(r"\{\{ \$\.Values\.([\w.]+) \}\}", lambda found: str(lookup(found[1])), text)
+    assert "{{" not in text, f"left unrendered:\n{text}"
+    return dict(yaml.safe_load(textwrap.dedent(text)))
+
+
+def _adapter_rules() -> list[AdapterRule]:
+    rules = []
+    for rule in _adapter_config()["rules"]:
+        assert rule["resources"]["overrides"] == {
+            "namespace": {"resource": "namespace"},
+            "pod": {"resource": "pod"},
+        }, "the HPAs' Pods metrics need the namespace and pod labels mapped"
+        name = rule["name"]
+        rules.append(
+            AdapterRule(rule["seriesQuery"], name["matches"], name["as"], rule["metricsQuery"])
+        )
+    return rules
+
+
+def _exposed(prometheus: str) -> dict[str, tuple[AdapterRule, str]]:
+    """What the adapter would serve from this Prometheus: each exposed metric name, with its
+    rule and the series it queries, found as the adapter finds them (the rules' seriesQuery
+    against /api/v1/series, then name.matches and name.as)."""
+    exposed: dict[str, tuple[AdapterRule, str]] = {}
+    for rule in _adapter_rules():
+        r = httpx.get(
+            f"{prometheus}/api/v1/series", params={"match[]": rule.series_query}, timeout=10
+        )
+        for series in {labels["__name__"] for labels in r.json()["data"]}:
+            name = rule.exposed(series)
+            assert name is not None, (
+                f"{rule.series_query} found {series}, which {rule.matches} misses"
+            )
+            assert name not in exposed, f"two rules expose {name}"
+            exposed[name] = (rule, series)
+    return exposed
+
+
+# Per pool, what the adapter gives each of its pods, by exposed metric name.
+Sample = dict[str, dict[str, list[tuple[dict[str, str], float]]]]
+
+
+def _sample(prometheus: str, pools: dict[str, list[str]]) -> Sample:
+    """Every exposed metric evaluated as the adapter does for each pool's pods, now."""
+    return {
+        name: {pool: _query(prometheus, rule.query(series, pods)) for pool, pods in pools.items()}
+        for name, (rule, series) in _exposed(prometheus).items()
+    }
+
+
+def _one_per_pod(sample: Sample, pools: dict[str, list[str]]) -> list[str]:
+    """What in `sample` is not exactly one finite, non-negative value per pod of each pool."""
+    failures = []
+    for name, by_pool in sample.items():
+        for pool, series in by_pool.items():
+            pods = sorted(labels.get("pod", "?") for labels, _ in series)
+            if pods != sorted(pools[pool]):
+                failures.append(
+                    f"{name} on {pool}: [{_shown(series)}], not one per pod {pools[pool]}"
+                )
+            elif not all(math.isfinite(v) and v >= 0 for _, v in series):
+                failures.append(f"{name} on {pool}: implausible [{_shown(series)}]")
+    return failures
+
+
+def _pool_mean(sample: Sample, name: str, pool: str) -> float:
+    return float(np.mean([v for _, v in sample[name][pool]])) if sample[name][pool] else math.nan
+
+
+def _hpas() -> dict[str, dict[str, Any]]:
+    """Pool -> the HPA the operator makes for a disaggregated InferenceService whose prefill and
+    decode pools autoscale on their default metrics."""
+    spec = {
+        "model": {"uri": "hf://acme/llama", "servedModelName": MODEL},
+        "image": "baton:1",
+        "prefill": {"autoscaling": {"maxReplicas": 4}},
+        "decode": {"autoscaling": {"maxReplicas": 8}},
+    }
+    isvc = {"metadata": {"name": "llama", "namespace": "local", "uid": "u"}, "spec": spec}
+    hpas = [
+        c
+        for c in desired_children(isvc, parse_spec(spec))
+        if c["kind"] == "HorizontalPodAutoscaler"
+    ]
+    return {hpa["metadata"]["name"].removeprefix("llama-"): hpa for hpa in hpas}
+
+
+def test_adapter_config_renders_as_helm_does() -> None:
+    """The tests' rendering of the adapter rules is helm's (skipped without helm)."""
+    helm = shutil.which("helm")
+    if helm is None:
+        pytest.skip('helm not on PATH (export PATH="$(../shared/tools/get-helm.sh):$PATH")')
+    rendered = subprocess.run(
+        [helm, "template", "baton", str(CHART), "--set", "prometheusAdapter.enabled=true",
+         "--show-only", "templates/prometheus-adapter.yaml"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    config_map = yaml.safe_load(rendered.stdout)
+    assert yaml.safe_load(config_map["data"]["config.yaml"]) == _adapter_config()
 
 
 @live
 def test_adapter_rules_give_one_value_per_engine_pod(stack: Stack) -> None:
-    """Each prometheus-adapter rule finds every engine by its seriesQuery, and its metricsQuery,
-    with the label matchers the adapter sends for one pool's pods, gives one finite value per
-    pod of that pool, labelled with the pool."""
+    """Each prometheus-adapter rule finds every engine by its seriesQuery and exposes what
+    values.yaml lists, and its metricsQuery, with the label matchers the adapter sends for one
+    pool's pods, gives one finite value per pod of that pool: after the load, and when idle
+    (an HPA needs a value then too, to scale down)."""
     all_pods = {pod for pods in stack.pools.values() for pod in pods}
     assert set(stack.pools) == {"prefill", "decode"} and len(all_pods) == 3, stack.pools
+    values = yaml.safe_load(VALUES.read_text())["prometheusAdapter"]
+    listed = {*values["metrics"], *(f"{h}_mean" for h in values["histograms"])}
+    exposed = _exposed(stack.prometheus)
+    assert set(exposed) == listed
     failures = []
-    for metric, series_query, metrics_query in _adapter_queries():
-        found = {labels.get("pod") for labels, _ in _query(stack.prometheus, series_query)}
-        if found != all_pods:
-            failures.append(f"{series_query}: pods {found}, not {all_pods}")
-        for pool, pods in stack.pools.items():
-            matchers = f'namespace="local",pod=~"{"|".join(pods)}"'
-            expr = metrics_query.replace("<<.Series>>", metric)
-            expr = expr.replace("<<.LabelMatchers>>", matchers)
-            series = _query(stack.prometheus, expr)
-            by_pod = sorted(labels["pod"] for labels, _ in series)
-            if by_pod != sorted(pods) or any(labels["pool"] != pool for labels, _ in series):
-                failures.append(f"{expr}: [{_shown(series)}], not one per {pool} pod {pods}")
-            elif not all(math.isfinite(v) and v >= 0 for _, v in series):
-                failures.append(f"{expr}: implausible [{_shown(series)}]")
+    for rule, _ in exposed.values():
+        found = _query(stack.prometheus, rule.series_query)
+        if {labels.get("pod") for labels, _ in found} != all_pods:
+            failures.append(f"{rule.series_query}: [{_shown(found)}], not every pod {all_pods}")
+    failures += _one_per_pod(_sample(stack.prometheus, stack.pools), stack.pools)
+    failures += [f"idle: {f}" for f in _one_per_pod(stack.idle, stack.pools)]
     assert not failures, "\n".join(failures)
 
 
 @live
-def test_hpa_metrics_exist_per_engine_and_are_exposed(stack: Stack) -> None:
-    """The metrics the operator's HPAs scale prefill and decode pools on are scraped from every
-    engine, and the adapter exposes both."""
-    adapter_metrics = {metric for metric, _, _ in _adapter_queries()}
-    all_pods = sorted(pod for pods in stack.pools.values() for pod in pods)
-    for metric in (PREFILL_METRIC, DECODE_METRIC):
-        assert metric in adapter_metrics, f"prometheusAdapter.metrics lacks {metric}"
-        series = _query(stack.prometheus, metric)
-        assert sorted(labels["pod"] for labels, _ in series) == all_pods, _shown(series)
-        assert all(0 <= v < math.inf for _, v in series), _shown(series)
+def test_hpas_ask_for_what_the_adapter_exposes(stack: Stack) -> None:
+    """The HPAs the operator makes for autoscaled prefill and decode pools ask, per pod of
+    their pool, for a metric name the adapter exposes (its name.as of a scraped series), with
+    no selector the series could not meet, and its query gives one value per pod of the pool."""
+    exposed = _exposed(stack.prometheus)
+    hpas = _hpas()
+    assert set(hpas) == {"prefill", "decode"}
+    for pool, hpa in hpas.items():
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+        asked = metric["pods"]["metric"]
+        assert asked["name"] == {"prefill": PREFILL_METRIC, "decode": DECODE_METRIC}[pool]
+        assert asked["name"] in exposed, f"{pool}: the adapter exposes no {asked['name']}"
+        assert "selector" not in asked, f"{pool}: a selector the adapter's rules do not map"
+        rule, series = exposed[asked["name"]]
+        answer = _query(stack.prometheus, rule.query(series, stack.pools[pool]))
+        assert sorted(labels["pod"] for labels, _ in answer) == sorted(stack.pools[pool])
+        assert all(0 <= v < math.inf for _, v in answer), _shown(answer)
+
+
+@live
+def test_adapter_values_move_with_load(stack: Stack) -> None:
+    """What the adapter serves for each pool rises from idle to load for the metrics the load
+    moves there (each pool's HPA default among them): the HPAs see the load."""
+    failures = []
+    for pool, names in MOVE_WITH_LOAD.items():
+        for name in sorted(names):
+            idle, loaded = _pool_mean(stack.idle, name, pool), _pool_mean(stack.loaded, name, pool)
+            if not loaded > idle:
+                failures.append(f"{name} on {pool}: idle {idle}, loaded {loaded}")
+    assert not failures, "\n".join(failures)
 
 
 # ---- the targets, the rules and the config ---------------------------------------------------

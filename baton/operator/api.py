@@ -28,6 +28,7 @@ PLURALS = {
     "EndpointSlice": "endpointslices",
     "Event": "events",
     "PodMonitor": "podmonitors",
+    "ScaledObject": "scaledobjects",
 }
 APPLY_PATCH = "application/apply-patch+yaml"
 MERGE_PATCH = "application/merge-patch+json"

@@ -14,7 +14,7 @@ from baton.kube import SERVICE_ACCOUNT, load_configuration
 from baton.operator.canary import CanaryConfig
 from baton.operator.handlers import Controller, register
 from baton.operator.monitoring import PodMonitorConfig
-from baton.operator.resources import NetworkAccess
+from baton.operator.resources import DEFAULT_PROMETHEUS_ADDRESS, NetworkAccess
 
 DEFAULT_NAMESPACE = "baton-system"
 
@@ -94,6 +94,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="a label on every PodMonitor, for a Prometheus' podMonitorSelector (repeatable)",
     )
     parser.add_argument(
+        "--prometheus-address",
+        default=DEFAULT_PROMETHEUS_ADDRESS,
+        help="the Prometheus that KEDA ScaledObjects query (autoscaling.engine: keda), unless a "
+        "pool's autoscaling.prometheusAddress names another, and that the SLO planner "
+        "(spec.planner) reads",
+    )
+    parser.add_argument(
         "--health-port",
         type=int,
         default=8080,
@@ -156,6 +163,7 @@ async def _operate(args: argparse.Namespace) -> None:
         canary,
         args.gateway_url or None,
         monitoring,
+        args.prometheus_address,
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.

@@ -17,12 +17,19 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["bisvc"]
 
-# The metrics the HPAs scale on when a pool's autoscaling names none: queued requests are what a
-# prefill pool is short of, KV cache space is what a decode pool is short of.
-PREFILL_METRIC = "vllm:num_requests_waiting"
+# The metrics the HPAs scale on when a pool's autoscaling names none, chosen by
+# bench/autoscaling_metrics.py (docs/autoscaling.md): a prefill engine's mean time to first token
+# (the adapter's rate(_sum) / rate(_count) of the histogram) tracks clients' TTFT, while its
+# waiting requests read 0 even when saturated (each step takes every request that arrived);
+# KV cache space is what a decode pool is short of (its ITL tracks clients' as closely).
+PREFILL_METRIC = "vllm:time_to_first_token_seconds_mean"
 DECODE_METRIC = "vllm:kv_cache_usage_perc"
-PREFILL_TARGET = "4"
+PREFILL_TARGET = "1"  # seconds of mean TTFT per prefill pod
 DECODE_TARGET = "800m"
+# An aggregated engine's steps mix decodes with prefills, so requests do wait in its queue: it
+# keeps scaling on them (the measurement above was of disaggregated pools).
+AGGREGATED_METRIC = "vllm:num_requests_waiting"
+AGGREGATED_TARGET = "4"
 # How long an in-flight request gets after SIGTERM (`spec.drain.timeoutSeconds`). An hour is
 # the bound: past it a rolling update of a few dozen pods, or a node drain, can take a day.
 DEFAULT_DRAIN_SECONDS = 120
@@ -106,16 +113,31 @@ ENV: Schema = {
 def _autoscaling(metric: str, target: str) -> Schema:
     return _obj(
         {
-            "minReplicas": _int(1, minimum=1, maximum=1000),
+            "engine": _str(
+                "What scales the pool: an autoscaling/v2 HPA, or a KEDA ScaledObject (needs "
+                "KEDA in the cluster; the only one that scales to zero).",
+                "hpa",
+                ["hpa", "keda"],
+            ),
+            "minReplicas": {
+                **_int(1, maximum=1000),
+                "description": "0 (scale to zero: the first request the router holds wakes "
+                "the pool) only with engine keda.",
+            },
             "maxReplicas": _int(minimum=1, maximum=1000),
-            "metric": _str("Per-pod engine metric the HPA averages.", default=metric),
+            "metric": _str("Engine metric averaged over the pool's pods.", default=metric),
             "target": {
                 **QUANTITY,
                 "description": "Average value per pod to hold the metric at (a quantity).",
                 "default": target,
             },
+            "prometheusAddress": _str(
+                "The Prometheus a keda engine's ScaledObject queries; default: the operator's "
+                "--prometheus-address."
+            ),
         },
-        "Scale the pool with an autoscaling/v2 HPA; the operator then leaves replicas to it.",
+        "Scale the pool with an HPA or a KEDA ScaledObject; the operator then leaves replicas "
+        "to it.",
         required=["maxReplicas"],
     )
 
@@ -135,12 +157,61 @@ def _pool_properties(metric: str, target: str) -> dict[str, Schema]:
     }
 
 
+def _planner_pool(role: str) -> Schema:
+    return _obj(
+        {
+            "minReplicas": _int(1, minimum=1, maximum=1000),
+            "maxReplicas": _int(minimum=1, maximum=1000),
+        },
+        f"The bounds the planner keeps the {role} pool within.",
+        required=["maxReplicas"],
+    )
+
+
+def _seconds(description: str) -> Schema:
+    return {
+        "type": "number",
+        "description": description,
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 3600,
+    }
+
+
+PLANNER: Schema = _obj(
+    {
+        "enabled": {
+            "type": "boolean",
+            "default": True,
+            "description": "false keeps the settings but lets the pools' own replicas and "
+            "autoscaling size them.",
+        },
+        "ttftSeconds": _seconds(
+            "The p90 time to first token (end to end) the planner sizes the prefill pool for."
+        ),
+        "itlSeconds": _seconds("The mean inter-token latency the planner sizes decode for."),
+        "intervalSeconds": {
+            **_int(30, minimum=1, maximum=3600),
+            "description": "Seconds between two of the planner's decisions.",
+        },
+        "cooldownSeconds": {
+            **_int(120, maximum=3600),
+            "description": "Seconds a lower count must hold before a pool scales down.",
+        },
+        "prefill": _planner_pool("prefill"),
+        "decode": _planner_pool("decode"),
+    },
+    "The SLO planner: it sets the prefill and decode pools' replicas from their load and these "
+    "latency targets (disaggregated services, pools without autoscaling).",
+    required=["ttftSeconds", "itlSeconds", "prefill", "decode"],
+)
+
 _POOL = "One pool of engine pods."
 ENGINE: Schema = _obj(
     {
         # In aggregated mode `engine` is also the pool of `role both` engines; its
         # tensorParallelSize below (with a default) is the service-wide one.
-        **_pool_properties(PREFILL_METRIC, PREFILL_TARGET),
+        **_pool_properties(AGGREGATED_METRIC, AGGREGATED_TARGET),
         "maxModelLen": {**_int(minimum=1), "description": "Longest sequence (prompt + output)."},
         "blockSize": _int(16, minimum=1, maximum=1024),
         "maxNumSeqs": _int(256, minimum=1, maximum=65536),
@@ -197,6 +268,7 @@ SPEC: Schema = _obj(
         "engine": ENGINE,
         "prefill": _obj(_pool_properties(PREFILL_METRIC, PREFILL_TARGET), _POOL, default={}),
         "decode": _obj(_pool_properties(DECODE_METRIC, DECODE_TARGET), _POOL, default={}),
+        "planner": PLANNER,
         "kvTransfer": _obj(
             {
                 "transport": _str("KV block transport.", "tcp", ["tcp", "nixl"]),
@@ -298,6 +370,23 @@ KV_PATH_STATUS: Schema = _obj(
     },
     "The last canary KV hand-off between a ready prefill and a ready decode engine.",
 )
+PLANNER_STATUS: Schema = _obj(
+    {
+        "prefill": {"type": "integer", "description": "Prefill replicas the planner set."},
+        "decode": {"type": "integer", "description": "Decode replicas the planner set."},
+        "reason": {"type": "string", "description": "Why, or why it held the counts."},
+        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "observed": _obj(
+            {
+                "requestsPerSecond": {"type": "number"},
+                "ttftP90Seconds": {"type": "number", "description": "End to end, the router's."},
+                "itlSeconds": {"type": "number", "description": "Mean, the decode engines'."},
+            },
+            "What the planner saw in its last interval.",
+        ),
+    },
+    "The SLO planner's last decision (spec.planner).",
+)
 STATUS: Schema = _obj(
     {
         "observedGeneration": {"type": "integer"},
@@ -315,6 +404,7 @@ STATUS: Schema = _obj(
         "decode": POOL_STATUS,
         "router": POOL_STATUS,
         "kvPath": KV_PATH_STATUS,
+        "planner": PLANNER_STATUS,
         "conditions": {
             "type": "array",
             "items": _obj(

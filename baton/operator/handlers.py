@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -20,8 +20,9 @@ from baton.operator import crd
 from baton.operator.api import PLURALS, Api
 from baton.operator.canary import CanaryConfig
 from baton.operator.monitoring import PodMonitorConfig
+from baton.operator.planner_loop import PlannerLoops
 from baton.operator.reconciler import CHILD_KINDS, Reconciler
-from baton.operator.resources import MANAGER, NetworkAccess
+from baton.operator.resources import DEFAULT_PROMETHEUS_ADDRESS, MANAGER, NetworkAccess
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,10 @@ class Controller:
     gateway_url: str | None = None
     # None: no PodMonitors (they are made only where the cluster serves the kind anyway).
     monitoring: PodMonitorConfig | None = field(default_factory=PodMonitorConfig)
+    # Where KEDA ScaledObjects query Prometheus unless their pool names one, and the planner.
+    prometheus_address: str = DEFAULT_PROMETHEUS_ADDRESS
     reconciler: Reconciler | None = None
+    planners: PlannerLoops | None = None  # the SLO planner's loops (`spec.planner`)
     _cluster: Cluster | None = None
     _resync: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -53,6 +57,10 @@ class Controller:
             canary=self.canary,
             gateway_url=self.gateway_url,
             monitoring=self.monitoring,
+            prometheus_address=self.prometheus_address,
+        )
+        self.planners = PlannerLoops(
+            self.reconciler.api, self.prometheus_address, self.default_image
         )
         self._resync = asyncio.get_running_loop().create_task(self._resync_loop(self.reconciler))
 
@@ -61,6 +69,8 @@ class Controller:
             self._resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._resync
+        if self.planners is not None:
+            await self.planners.close()
         if self.reconciler is not None:
             await self.reconciler.close()
         if self._cluster is not None:
@@ -78,6 +88,8 @@ class Controller:
                     continue
                 for item in found:
                     meta = item["metadata"]
+                    if self.planners is not None:
+                        self.planners.sync(item)
                     await reconciler.trigger(meta["namespace"], meta["name"])
 
 
@@ -111,6 +123,11 @@ def register(registry: kopf.OperatorRegistry, controller: Controller) -> None:
         reconciler = controller.reconciler
         if namespace is None or reconciler is None:
             return
+        if controller.planners is not None:
+            if event.get("type") == "DELETED":
+                controller.planners.forget(namespace, name)
+            else:
+                controller.planners.sync(cast(dict[str, Any], event["object"]))
         if event.get("type") == "DELETED":
             reconciler.forget(namespace, name)
         elif not reconciler.own_write(crd.KIND, namespace, name, _version(event)):

@@ -110,12 +110,15 @@ def _meta_label(label: str) -> str:
 
 
 @dataclass
-class PodMonitorSupport:
-    """Whether the API server serves PodMonitors, from discovery; the answer is kept for
-    `recheck_seconds`, as the Prometheus Operator may be installed (or removed) while the
-    operator runs, and asking on every pass would double the calls of a settled one."""
+class ServedKind:
+    """Whether the API server serves a kind that a CRD of another project adds (PodMonitors,
+    KEDA's ScaledObjects), from discovery; the answer is kept for `recheck_seconds`, as that
+    project may be installed (or removed) while the operator runs, and asking on every pass
+    would double the calls of a settled one."""
 
     api: Api
+    api_version: str
+    kind: str
     recheck_seconds: float = 300.0
     _served: bool = False
     _asked_at: float | None = None
@@ -123,6 +126,6 @@ class PodMonitorSupport:
     async def served(self) -> bool:
         now = time.monotonic()
         if self._asked_at is None or now - self._asked_at >= self.recheck_seconds:
-            self._served = await self.api.serves(API_VERSION, KIND)
+            self._served = await self.api.serves(self.api_version, self.kind)
             self._asked_at = now
         return self._served

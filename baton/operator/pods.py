@@ -329,6 +329,8 @@ def router_pod(
         "--discovery", "kubernetes",
         "--namespace", namespace,
         "--selector", selector,
+        # Served while its pools are at zero: its requests wait for an engine, not a 404.
+        "--served-model", spec.model.served_model_name,
         "--policy", router.policy,
         "--disagg-min-tokens", str(router.disagg_min_tokens),
         "--router-shutdown-timeout", str(spec.drain.timeout_seconds),

@@ -19,6 +19,13 @@ Where the cluster serves the Prometheus Operator's PodMonitor, each service also
 (`monitoring.py`), applied like any child but not watched: a watch of a kind the cluster may
 not serve would fail, so a PodMonitor edited or deleted by hand is put back by the service's
 next pass (the periodic resync at the latest).
+
+A pool with `autoscaling.engine: keda` gets a KEDA ScaledObject instead of an HPA, applied and
+not watched for the same reason. Where the cluster does not serve ScaledObjects, such a spec is
+refused like a bad one (`KEDANotInstalled`) and whatever ran before keeps running. Unwanted
+autoscalers (a pool turned from one engine to the other, or off) are deleted before the
+children are applied: KEDA's admission webhook refuses a ScaledObject for a Deployment that
+another HPA scales, and two autoscalers must not fight over one Deployment meanwhile.
 """
 
 from __future__ import annotations
@@ -38,10 +45,14 @@ from baton.operator import crd
 from baton.operator.api import Api
 from baton.operator.canary import Canary, CanaryConfig, Target, kv_path, kv_path_ready
 from baton.operator.events import event_body
-from baton.operator.monitoring import PodMonitorConfig, PodMonitorSupport, pod_monitor
+from baton.operator.monitoring import API_VERSION as POD_MONITOR_API_VERSION
+from baton.operator.monitoring import KIND as POD_MONITOR_KIND
+from baton.operator.monitoring import PodMonitorConfig, ServedKind, pod_monitor
 from baton.operator.pods import KV_SECRET_KEY
 from baton.operator.resources import (
     COMPONENT_LABEL,
+    DEFAULT_PROMETHEUS_ADDRESS,
+    KEDA_API_VERSION,
     MANAGER,
     NetworkAccess,
     desired_children,
@@ -73,8 +84,12 @@ CHILD_KINDS: dict[str, str] = {
 # list and watch on them, which would hand the operator every Secret's value; a deleted one is
 # made again by the next pass (a resync at the latest).
 # Kinds of which a spec change can leave children behind (a mode switch, autoscaling off).
-PRUNED_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
-# The field manager that keeps a Deployment's `spec.replicas` while an HPA takes it over.
+PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget")
+# The same for autoscalers, deleted before anything is applied (module docstring).
+HPA_KINDS = {"HorizontalPodAutoscaler": CHILD_KINDS["HorizontalPodAutoscaler"]}
+KEDA_KINDS = {"ScaledObject": KEDA_API_VERSION}
+# The field manager that keeps a Deployment's `spec.replicas` while an autoscaler (or the
+# planner) takes it over.
 HANDOFF_MANAGER = "baton-operator-handoff"
 # `KVPathReady` reasons worth a Warning Event when they begin.
 KV_FAULTS = ("CanaryHandOffFailed", "IncompatibleEngines", "TransportFellBack")
@@ -122,14 +137,18 @@ class Reconciler:
     gateway_url: str | None = None
     # None: no PodMonitors; otherwise one per service where the cluster serves the kind.
     monitoring: PodMonitorConfig | None = None
+    # Where ScaledObjects query Prometheus unless their pool says (--prometheus-address).
+    prometheus_address: str = DEFAULT_PROMETHEUS_ADDRESS
     _canary: Canary | None = field(default=None, init=False)
-    _pod_monitors: PodMonitorSupport | None = field(default=None, init=False)
+    _pod_monitors: ServedKind | None = field(default=None, init=False)
+    _scaled_objects: ServedKind = field(init=False)
 
     def __post_init__(self) -> None:
         if self.canary is not None:
             self._canary = Canary(self.api, self.canary, self.trigger)
         if self.monitoring is not None:
-            self._pod_monitors = PodMonitorSupport(self.api)
+            self._pod_monitors = ServedKind(self.api, POD_MONITOR_API_VERSION, POD_MONITOR_KIND)
+        self._scaled_objects = ServedKind(self.api, KEDA_API_VERSION, "ScaledObject")
 
     async def trigger(self, namespace: str, name: str) -> None:
         """Reconciles now, or once more after the pass in progress. Never raises."""
@@ -208,9 +227,22 @@ class Reconciler:
         try:
             spec = parse_spec(isvc.get("spec"), self.default_image)
             owner = await self._model_owner(isvc, spec)
-            desired = desired_children(isvc, spec, self.access, routable=owner is None)
+            desired = desired_children(
+                isvc, spec, self.access, owner is None, self.prometheus_address
+            )
         except SpecError as e:
             await self._write_status(isvc, failed_status(isvc, e.reason, e.message, now_iso()))
+            return
+        keda = [c["metadata"]["name"] for c in desired if c["kind"] == "ScaledObject"]
+        if keda and not await self._scaled_objects.served():
+            message = (
+                f"autoscaling.engine keda ({', '.join(keda)}) needs KEDA, and the cluster does "
+                f"not serve ScaledObjects ({KEDA_API_VERSION}); install KEDA, or set "
+                "autoscaling.engine: hpa"
+            )
+            await self._write_status(
+                isvc, failed_status(isvc, "KEDANotInstalled", message, now_iso())
+            )
             return
         monitors = self._pod_monitors
         if self.monitoring is not None and monitors is not None and await monitors.served():
@@ -227,6 +259,8 @@ class Reconciler:
             if child["kind"] == "Secret":
                 await self._ensure_kv_secret(child)
         to_apply = [child for child in desired if child["kind"] != "Secret"]
+        if not settled:
+            await self._prune(isvc, desired, await self._autoscaler_kinds())
         try:
             applied = await asyncio.gather(
                 *(self._apply(isvc, child, settled) for child in to_apply)
@@ -235,7 +269,7 @@ class Reconciler:
             await self._write_status(isvc, failed_status(isvc, "ChildConflict", str(e), now_iso()))
             raise
         if not settled:
-            await self._prune(isvc, desired)
+            await self._prune(isvc, desired, {kind: CHILD_KINDS[kind] for kind in PRUNED_KINDS})
             self._settled[(namespace, name)] = (generation, owner)
         deployments: dict[str, Manifest | None] = {}
         router_service = None
@@ -339,10 +373,10 @@ class Reconciler:
             )
 
     async def _hand_off_replicas(self, live: Manifest, child: Manifest) -> None:
-        """Keeps a Deployment's replicas when its pool turns to autoscaling. The operator stops
-        applying `spec.replicas` then, and a field its manager alone owns would be removed (the
-        Deployment back to 1 replica) before the HPA writes it; another manager applying the
-        live value first keeps it until the HPA takes it over."""
+        """Keeps a Deployment's replicas when its pool turns to autoscaling or the planner. The
+        operator stops applying `spec.replicas` then, and a field its manager alone owns would
+        be removed (the Deployment back to 1 replica) before the autoscaler writes it; another
+        manager applying the live value first keeps it until the autoscaler takes it over."""
         if child["kind"] != "Deployment" or "replicas" in child.get("spec", {}):
             return
         replicas = live.get("spec", {}).get("replicas")
@@ -355,15 +389,23 @@ class Reconciler:
             "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
             "spec": {"replicas": replicas},
         }
-        logger.info("handing replicas of %s/%s to its HPA", meta["namespace"], meta["name"])
+        logger.info("handing replicas of %s/%s over", meta["namespace"], meta["name"])
         await self.api.apply(keep, HANDOFF_MANAGER, force=False)
 
-    async def _prune(self, isvc: Manifest, desired: list[Manifest]) -> None:
+    async def _autoscaler_kinds(self) -> dict[str, str]:
+        """The autoscaler kinds a service may have left behind: ScaledObjects only where the
+        cluster serves them (listing them elsewhere is a 404)."""
+        if await self._scaled_objects.served():
+            return HPA_KINDS | KEDA_KINDS
+        return HPA_KINDS
+
+    async def _prune(self, isvc: Manifest, desired: list[Manifest], kinds: dict[str, str]) -> None:
+        """Deletes the service's children of `kinds` (kind -> apiVersion) that are not
+        `desired`."""
         meta = isvc["metadata"]
         wanted = {(c["kind"], c["metadata"]["name"]) for c in desired}
         selector = f"{ISVC_LABEL}={meta['name']},{MANAGED_BY_LABEL}={MANAGER}"
-        for kind in PRUNED_KINDS:
-            api_version = CHILD_KINDS[kind]
+        for kind, api_version in kinds.items():
             found = await self.api.list(api_version, kind, meta["namespace"], selector)
             for obj in found:
                 name = obj["metadata"]["name"]

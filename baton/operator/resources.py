@@ -1,7 +1,7 @@
 """Pure builders of every child of an `InferenceService`: engine and router Deployments, the
-router Service and a headless Service per role, HPAs, PodDisruptionBudgets, the router's
-ServiceAccount, Role and RoleBinding, the NetworkPolicy that fences the engines, and the
-hand-off Secret of a disaggregated service. `desired_children` is the whole desired state; the
+router Service and a headless Service per role, HPAs or KEDA ScaledObjects, PodDisruptionBudgets,
+the router's ServiceAccount, Role and RoleBinding, the NetworkPolicy that fences the engines, and
+the hand-off Secret of a disaggregated service. `desired_children` is the whole desired state; the
 reconciler applies it. Every child carries a controller owner reference, so deleting the
 `InferenceService` garbage-collects it.
 """
@@ -32,7 +32,7 @@ from baton.operator.pods import (
     router_pod,
 )
 from baton.operator.revision import REVISION_LABEL, revision
-from baton.operator.spec import InferenceServiceSpec, Pool
+from baton.operator.spec import Autoscaling, InferenceServiceSpec, Pool
 from baton.operator.validation import SpecError
 
 Manifest = dict[str, Any]
@@ -45,6 +45,23 @@ MANAGER = OPERATOR_NAME
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set by Kubernetes on every namespace
 # Children get names "<isvc>-prefill" etc., which must stay valid Service names (63 characters).
 MAX_NAME_LENGTH = 63 - len("-prefill")
+KEDA_API_VERSION = "keda.sh/v1alpha1"
+# KEDA names the HPA it makes for a ScaledObject so; KEDA's webhook refuses the ScaledObject
+# when that name is over 63 characters.
+KEDA_HPA_PREFIX = "keda-hpa-"
+# KEDA copies a ScaledObject's labels to its HPA except those named here: without the operator's
+# managed-by label, that HPA is neither watched nor taken for one of the operator's children.
+KEDA_EXCLUDED_LABELS = "scaledobject.keda.sh/hpa-excluded-labels"
+# Where ScaledObjects query when neither the pool nor the operator says: the Service the
+# Prometheus Operator makes for its Prometheus, in kube-prometheus-stack's usual namespace.
+DEFAULT_PROMETHEUS_ADDRESS = "http://prometheus-operated.monitoring.svc:9090"
+# The router's gauge of requests waiting for an engine of their model (none is up).
+HELD_REQUESTS_METRIC = "baton:router_held_requests"
+RUNNING_REQUESTS_METRIC = "vllm:num_requests_running"
+# The chart's prometheus-adapter exposes each engine histogram `<name>` to HPAs as `<name>_mean`,
+# its mean per pod over a window (1m by default); a keda pool's query computes the same.
+HISTOGRAM_MEAN_SUFFIX = "_mean"
+HISTOGRAM_MEAN_WINDOW = "1m"
 
 
 @dataclass(frozen=True)
@@ -132,7 +149,7 @@ def _child(
 
 
 def _engine_children(
-    isvc: Manifest, spec: InferenceServiceSpec, pool: Pool, routable: bool
+    isvc: Manifest, spec: InferenceServiceSpec, pool: Pool, routable: bool, prometheus: str
 ) -> list[Manifest]:
     name = isvc["metadata"]["name"]
     child_name = f"{name}-{pool.component}"
@@ -149,7 +166,7 @@ def _engine_children(
             spec, pool, dict(revision_labels), pod_annotations, kv_secret_name(name)
         ),
     }
-    if pool.autoscaling is None:  # otherwise the HPA owns replicas
+    if spec.sets_replicas(pool):  # otherwise an autoscaler or the planner owns them
         deployment["spec"]["replicas"] = pool.replicas
     # Headless: the router needs every pod's address (EndpointSlices), not one virtual IP.
     service_labels = {**pool_labels, GATEWAY_LABEL: "true"} if routable else pool_labels
@@ -159,7 +176,10 @@ def _engine_children(
         ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"})
     service["spec"] = {"clusterIP": "None", "selector": selector, "ports": ports}
     children = [deployment, service, _pdb(isvc, child_name, pool_labels, selector)]
-    if pool.autoscaling is not None:
+    if pool.autoscaling is not None and pool.autoscaling.engine == "keda":
+        auto = pool.autoscaling
+        children.append(_scaled_object(isvc, spec, pool, auto, pool_labels, prometheus))
+    elif pool.autoscaling is not None:
         auto = pool.autoscaling
         hpa = _child("autoscaling/v2", "HorizontalPodAutoscaler", child_name, isvc, pool_labels)
         hpa["spec"] = {
@@ -178,6 +198,94 @@ def _engine_children(
         }
         children.append(hpa)
     return children
+
+
+def _scaled_object(
+    isvc: Manifest,
+    spec: InferenceServiceSpec,
+    pool: Pool,
+    auto: Autoscaling,
+    pool_labels: dict[str, str],
+    prometheus: str,
+) -> Manifest:
+    """The KEDA ScaledObject of an autoscaled pool: its Deployment between the pool's bounds on
+    two Prometheus queries, each with the labels the operator's PodMonitor gives the targets.
+
+    `load`: the pool's metric averaged over its pods against the target, as the HPA's Pods
+    metric would be (metricType Value: KEDA's HPA then wants replicas × value / target).
+    `wake`, for a pool that may go to zero: requests the service's routers hold for want of an
+    engine, plus those the pool is running, against maxNumSeqs (AverageValue: one engine per
+    maxNumSeqs of them). Above 0 it keeps the pool up, so a request held by the router wakes a
+    pool at zero, and one busy without a queue (whose waiting metric reads 0) is not put to sleep.
+    """
+    meta = isvc["metadata"]
+    name = f"{meta['name']}-{pool.component}"
+    if len(KEDA_HPA_PREFIX + name) > 63:
+        raise SpecError(
+            "NameTooLong",
+            f"metadata.name {meta['name']!r} is too long for engine: keda: KEDA names its HPA "
+            f"{KEDA_HPA_PREFIX}{name}, over 63 characters; use a shorter name, or engine: hpa",
+        )
+    service = f'namespace="{meta["namespace"]}",inference_service="{meta["name"]}"'
+    pool_series = f'{service},pool="{pool.component}"'
+    server = auto.prometheus_address or prometheus
+    triggers: list[Manifest] = [
+        {
+            "type": "prometheus",
+            "name": "load",
+            "metricType": "Value",
+            "metadata": {
+                "serverAddress": server,
+                "query": _pool_average(auto.metric, pool_series),
+                "threshold": auto.threshold,
+            },
+        }
+    ]
+    if auto.min_replicas == 0:
+        held = f"sum({HELD_REQUESTS_METRIC}{{{service}}})"
+        running = f"sum({RUNNING_REQUESTS_METRIC}{{{pool_series}}})"
+        triggers.append(
+            {
+                "type": "prometheus",
+                "name": "wake",
+                "metricType": "AverageValue",
+                "metadata": {
+                    "serverAddress": server,
+                    "query": f"({held} or vector(0)) + ({running} or vector(0))",
+                    "threshold": str(spec.engine.max_num_seqs),
+                    "activationThreshold": "0",
+                },
+            }
+        )
+    scaled = _child(
+        KEDA_API_VERSION,
+        "ScaledObject",
+        name,
+        isvc,
+        pool_labels,
+        {KEDA_EXCLUDED_LABELS: MANAGED_BY_LABEL},
+    )
+    scaled["spec"] = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+        "minReplicaCount": auto.min_replicas,
+        "maxReplicaCount": auto.max_replicas,
+        "triggers": triggers,
+    }
+    return scaled
+
+
+def _pool_average(metric: str, series: str) -> str:
+    """PromQL for `metric` averaged over the pods whose series match `series`. A name the
+    prometheus-adapter makes of a histogram (`<name>_mean`) is no series in Prometheus: it is
+    the adapter's per-pod mean, rate of the sum over rate of the count, computed here alike."""
+    if not metric.endswith(HISTOGRAM_MEAN_SUFFIX):
+        return f"avg({metric}{{{series}}})"
+    histogram = metric.removesuffix(HISTOGRAM_MEAN_SUFFIX)
+    window = HISTOGRAM_MEAN_WINDOW
+    return (
+        f"avg(rate({histogram}_sum{{{series}}}[{window}]) / "
+        f"clamp_min(rate({histogram}_count{{{series}}}[{window}]), 1e-9))"
+    )
 
 
 def _pdb(
@@ -309,14 +417,16 @@ def desired_children(
     spec: InferenceServiceSpec,
     access: NetworkAccess | None = None,
     routable: bool = True,
+    prometheus: str = DEFAULT_PROMETHEUS_ADDRESS,
 ) -> list[Manifest]:
     """Every child the operator keeps for `isvc` (a body with metadata.name/namespace/uid).
     `routable` is False when an earlier service holds the served model name: its engine
-    Services then lack the gateway's label."""
+    Services then lack the gateway's label. `prometheus` is where ScaledObjects query unless
+    their pool names a Prometheus."""
     check_name(isvc["metadata"]["name"])
     children: list[Manifest] = []
     for pool in spec.pools:
-        children += _engine_children(isvc, spec, pool, routable)
+        children += _engine_children(isvc, spec, pool, routable, prometheus)
     children.append(_network_policy(isvc, spec, access or NetworkAccess()))
     if any(pool.moves_kv for pool in spec.pools):
         children.append(kv_secret(isvc))

@@ -1,11 +1,14 @@
 """The typed view of an `InferenceService` spec: frozen dataclasses built by `parse_spec`, which
 applies the CRD schema (defaults, bounds) and the checks a schema cannot express (model URI,
-tensor-parallel layouts, image, autoscaling bounds), raising `SpecError` with a CamelCase reason.
+tensor-parallel layouts, image, autoscaling bounds and engines, the planner's preconditions),
+raising `SpecError` with a CamelCase reason.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal
 
 from baton.operator.validation import SpecError, defaulted_spec
@@ -44,12 +47,21 @@ class EngineArgs:
 
 @dataclass(frozen=True)
 class Autoscaling:
-    """An HPA on one engine metric, averaged over the pool's pods."""
+    """What scales one pool: an HPA, or a KEDA ScaledObject that queries Prometheus, on one
+    engine metric averaged over the pool's pods. Only KEDA scales to zero (`min_replicas` 0): an
+    HPA never moves a Deployment at zero replicas."""
 
     min_replicas: int
     max_replicas: int
     metric: str
     target: str  # a Kubernetes quantity, e.g. "4" or "800m"
+    engine: Literal["hpa", "keda"] = "hpa"
+    prometheus_address: str | None = None  # keda only; None: the operator's --prometheus-address
+
+    @property
+    def threshold(self) -> str:
+        """`target` as the plain decimal a KEDA threshold is ("800m" is "0.8")."""
+        return format(quantity_value(self.target).normalize(), "f")
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,32 @@ class Pool:
         do: an aggregated pool serves alone, so it runs no KV server (no port to fence, no
         hand-off secret to hold)."""
         return self.role != "both"
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """The SLO planner's targets and bounds (`spec.planner`). The planner sets both pools'
+    replicas itself, so the operator applies neither their replicas nor an autoscaler."""
+
+    ttft_seconds: float  # p90 time to first token, end to end, the prefill pool is sized for
+    itl_seconds: float  # mean inter-token latency the decode pool is sized for
+    interval_seconds: int  # between two decisions
+    cooldown_seconds: int  # how long a lower count must hold before a pool scales down
+    prefill_min: int
+    prefill_max: int
+    decode_min: int
+    decode_max: int
+
+    def __post_init__(self) -> None:
+        for role, low, high in (
+            ("prefill", self.prefill_min, self.prefill_max),
+            ("decode", self.decode_min, self.decode_max),
+        ):
+            if low > high:
+                raise SpecError(
+                    "InvalidPlanner",
+                    f"spec.planner.{role}.minReplicas {low} is above maxReplicas {high}",
+                )
 
 
 @dataclass(frozen=True)
@@ -118,6 +156,12 @@ class InferenceServiceSpec:
     router: RouterSpec
     drain: Drain
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key)
+    planner: PlannerSpec | None = None  # None: no planner (absent or not enabled)
+
+    def sets_replicas(self, pool: Pool) -> bool:
+        """Whether the operator applies `pool.replicas`: not when an autoscaler or the planner
+        owns the pool's size."""
+        return pool.autoscaling is None and self.planner is None
 
 
 def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
@@ -143,6 +187,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
                 "split the KV heads the same way; set both to the same value",
             )
         pools = (prefill, decode)
+    planner = _planner(spec.get("planner"), mode, pools)
     router = spec["router"]
     kv = spec["kvTransfer"]
     extra_args = tuple(engine.get("extraArgs", ()))
@@ -178,6 +223,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
         ),
         drain=Drain(spec["drain"]["timeoutSeconds"]),
         api_key_secret=(key["name"], key["key"]) if key else None,
+        planner=planner,
     )
 
 
@@ -258,14 +304,7 @@ def parse_model(model: dict[str, Any]) -> ModelSource:
 def _pool(role: Role, pool: dict[str, Any], default_tp: int) -> Pool:
     autoscaling = None
     if "autoscaling" in pool:
-        a = pool["autoscaling"]
-        if a["minReplicas"] > a["maxReplicas"]:
-            raise SpecError(
-                "InvalidAutoscaling",
-                f"{role} autoscaling minReplicas {a['minReplicas']} is above "
-                f"maxReplicas {a['maxReplicas']}",
-            )
-        autoscaling = Autoscaling(a["minReplicas"], a["maxReplicas"], a["metric"], str(a["target"]))
+        autoscaling = _autoscaling("engine" if role == "both" else role, pool["autoscaling"])
     return Pool(
         role=role,
         replicas=pool["replicas"],
@@ -275,4 +314,98 @@ def _pool(role: Role, pool: dict[str, Any], default_tp: int) -> Pool:
         tolerations=pool.get("tolerations", []),
         env=pool.get("env", []),
         autoscaling=autoscaling,
+    )
+
+
+# A Prometheus metric name: a keda engine puts it into a PromQL query as it is.
+_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+# A Kubernetes quantity: a decimal number, then a binary or decimal SI suffix or an exponent.
+_QUANTITY = re.compile(
+    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([KMGTPE]i|[numkMGTPE])|[eE]([+-]?[0-9]+))?$"
+)
+_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}  # powers of 2
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+def quantity_value(quantity: str) -> Decimal:
+    """The number a Kubernetes quantity stands for ("800m" is 0.8, "1Ki" 1024); raises
+    `ValueError` for a string that is not a quantity."""
+    found = _QUANTITY.match(quantity)
+    if found is None:
+        raise ValueError(f"{quantity!r} is not a Kubernetes quantity")
+    number, suffix, exponent = Decimal(found[1]), found[2], found[3]
+    if suffix in _BINARY:
+        return number * (1 << _BINARY[suffix])
+    if suffix is not None:
+        return number.scaleb(_DECIMAL[suffix])
+    return number.scaleb(int(exponent)) if exponent is not None else number
+
+
+def _autoscaling(pool: str, a: dict[str, Any]) -> Autoscaling:
+    """The `autoscaling` of the pool field `pool` (prefill, decode or engine), checked."""
+    where = f"spec.{pool}.autoscaling"
+    if a["minReplicas"] > a["maxReplicas"]:
+        raise SpecError(
+            "InvalidAutoscaling",
+            f"{where}.minReplicas {a['minReplicas']} is above maxReplicas {a['maxReplicas']}",
+        )
+    target = str(a["target"])
+    try:
+        positive = quantity_value(target) > 0
+    except ValueError:
+        positive = False
+    if not positive:
+        raise SpecError(
+            "InvalidAutoscaling",
+            f"{where}.target {target!r} is not a positive quantity (such as 4, 0.8 or 800m)",
+        )
+    engine = a["engine"]
+    if engine == "hpa" and a["minReplicas"] == 0:
+        raise SpecError(
+            "InvalidAutoscaling",
+            f"{where}.minReplicas is 0, which needs engine: keda (an HPA never wakes a pool at "
+            "zero replicas); set engine: keda, or minReplicas to 1 or more",
+        )
+    address = a.get("prometheusAddress")
+    if engine == "keda":
+        if not _METRIC_NAME.match(a["metric"]):
+            raise SpecError(
+                "InvalidAutoscaling",
+                f"{where}.metric {a['metric']!r} is not a Prometheus metric name",
+            )
+        if address is not None and not re.match(r"^https?://[^\s]+$", address):
+            raise SpecError(
+                "InvalidAutoscaling",
+                f"{where}.prometheusAddress {address!r} is not an http:// or https:// URL",
+            )
+    return Autoscaling(a["minReplicas"], a["maxReplicas"], a["metric"], target, engine, address)
+
+
+def _planner(raw: dict[str, Any] | None, mode: Mode, pools: tuple[Pool, ...]) -> PlannerSpec | None:
+    """`spec.planner` when present and enabled: it needs prefill and decode pools, and their
+    replicas to itself."""
+    if raw is None or not raw["enabled"]:
+        return None
+    if mode != "disaggregated":
+        raise SpecError(
+            "InvalidPlanner",
+            "spec.planner sizes prefill and decode pools, and an aggregated service has neither; "
+            "set mode: disaggregated, or remove spec.planner",
+        )
+    for pool in pools:
+        if pool.autoscaling is not None:
+            raise SpecError(
+                "InvalidPlanner",
+                f"spec.{pool.role}.autoscaling is set, but the planner sets the pools' replicas; "
+                f"remove spec.{pool.role}.autoscaling, or set spec.planner.enabled: false",
+            )
+    return PlannerSpec(
+        ttft_seconds=float(raw["ttftSeconds"]),
+        itl_seconds=float(raw["itlSeconds"]),
+        interval_seconds=raw["intervalSeconds"],
+        cooldown_seconds=raw["cooldownSeconds"],
+        prefill_min=raw["prefill"]["minReplicas"],
+        prefill_max=raw["prefill"]["maxReplicas"],
+        decode_min=raw["decode"]["minReplicas"],
+        decode_max=raw["decode"]["maxReplicas"],
     )

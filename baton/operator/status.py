@@ -159,7 +159,14 @@ def running_status(
         _pool_condition("DecodeReady", decode, generation, decode_pool),
         _pool_condition("RouterReady", router, generation, "router"),
     ]
-    waiting = [c["type"] for c in parts if c["status"] != "True"]
+    # KEDA wakes a pool that may scale to zero when the router holds a request for it, so such
+    # a pool at zero is asleep, not missing.
+    wakes = {p.component for p in spec.pools if p.autoscaling and p.autoscaling.min_replicas == 0}
+    pool_of = {"PrefillReady": prefill_pool, "DecodeReady": decode_pool, "RouterReady": "router"}
+    asleep = sorted({pool_of[c["type"]] for c in parts if c["reason"] == "ScaledToZero"} & wakes)
+    waiting = [
+        c["type"] for c in parts if c["status"] != "True" and pool_of[c["type"]] not in asleep
+    ]
     if waiting:
         ready = condition(
             "Ready", False, "ComponentsNotReady", "waiting for " + ", ".join(waiting), generation
@@ -168,6 +175,8 @@ def running_status(
         at = f"serving at {url}"
         if gateway_url and model_owner is None:
             at += f" and at {gateway_url} as model {spec.model.served_model_name!r}"
+        if asleep:
+            at += f"; {' and '.join(asleep)} at zero until a request wakes it"
         ready = condition("Ready", True, "AllComponentsReady", at, generation)
     old = {k: v for k, v in isvc.get("status", {}).items() if k not in ("kvPath", "gatewayUrl")}
     extra: Manifest = {}

@@ -43,12 +43,16 @@ def _apply(schema: Schema, value: Any, path: str) -> Any:
         return [_apply(items, item, f"{path}[{i}]") for i, item in enumerate(value)]
     if kind == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
         raise SpecError("InvalidSpec", f"{path} must be an integer, got {value!r}")
+    if kind == "number" and (isinstance(value, bool) or not isinstance(value, int | float)):
+        raise SpecError("InvalidSpec", f"{path} must be a number, got {value!r}")
     if kind == "string" and not isinstance(value, str):
         raise SpecError("InvalidSpec", f"{path} must be a string, got {value!r}")
     if kind == "boolean" and not isinstance(value, bool):
         raise SpecError("InvalidSpec", f"{path} must be true or false, got {value!r}")
     if "enum" in schema and value not in schema["enum"]:
         raise SpecError("InvalidSpec", f"{path} must be one of {schema['enum']}, got {value!r}")
+    if schema.get("exclusiveMinimum") and value <= schema["minimum"]:
+        raise SpecError("InvalidSpec", f"{path} must be above {schema['minimum']}, got {value}")
     if "minimum" in schema and value < schema["minimum"]:
         raise SpecError("InvalidSpec", f"{path} must be at least {schema['minimum']}, got {value}")
     if "maximum" in schema and value > schema["maximum"]:

@@ -81,6 +81,19 @@ def add_routing_args(parser: argparse.ArgumentParser | Any) -> None:
         help="with no healthy prefill engine: answer 503, or serve on decode engines alone",
     )
     parser.add_argument(
+        "--hold-timeout",
+        type=float,
+        default=c.hold_timeout,
+        help="seconds a request waits for an engine when its model has no decode or aggregated "
+        "engine up (a pool at zero) before a 503 with Retry-After; 0: a 503 at once",
+    )
+    parser.add_argument(
+        "--hold-queue-size",
+        type=int,
+        default=c.hold_queue_size,
+        help="requests held per model; more get a 503 with Retry-After at once",
+    )
+    parser.add_argument(
         "--max-retries",
         type=int,
         default=c.max_retries,
@@ -132,6 +145,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "system's)",
     )
     add_tracing_args(parser)
+    parser.add_argument(
+        "--served-model",
+        dest="served_models",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a model this router serves even while it sees no engine of it (a pool at zero): "
+        "its requests are held, not 404 (repeatable; models discovery showed are remembered)",
+    )
     static = parser.add_argument_group("static discovery (URLs may repeat the flag)")
     for role in ("prefill", "decode"):
         static.add_argument(
@@ -157,6 +179,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if hasattr(args, "upstream_api_key"):  # `baton serve` passes only the routing flags
         key = args.upstream_api_key or os.environ.get(UPSTREAM_API_KEY_ENV) or None
         overrides["upstream_api_key"] = key
+    if hasattr(args, "served_models"):
+        overrides["served_models"] = tuple(args.served_models)
     return from_args(
         RouterConfig,
         args,

@@ -46,6 +46,13 @@ class RouterConfig:
     chars_per_token: float = 4.0  # for the token estimate of text prompts
     on_no_prefill: OnNoPrefill = "fail"  # no healthy prefill engine: 503, or decode alone
 
+    # -- holding requests while a model has no engine up (scale to zero, `hold`) --
+    hold_timeout: float = 60.0  # seconds a request waits for an engine; 0: no holding (503)
+    hold_queue_size: int = 100  # requests held per model; more get 503 at once
+    # Models served even while no engine of theirs is known (a pool at zero); besides these,
+    # every model discovery has shown since start.
+    served_models: tuple[str, ...] = ()
+
     # -- retries and timeouts (seconds) --
     max_retries: int = 2  # further engines tried when one fails before the first byte
     request_timeout: float = 600.0  # longest wait for an engine's next bytes
@@ -103,6 +110,7 @@ class RouterConfig:
             ("health_interval", self.health_interval),
             ("health_timeout", self.health_timeout),
             ("eject_after_failures", self.eject_after_failures),
+            ("hold_queue_size", self.hold_queue_size),
         )
         for field, number in positive:
             if number <= 0:
@@ -113,10 +121,13 @@ class RouterConfig:
             ("max_retries", self.max_retries),
             ("migration_limit", self.migration_limit),
             ("eject_seconds", self.eject_seconds),
+            ("hold_timeout", self.hold_timeout),
         )
         for field, number in non_negative:
             if number < 0:
                 raise ValueError(f"{field} must be >= 0, got {number}")
+        if any(not model for model in self.served_models):
+            raise ValueError("served_models must not contain an empty name")
         if self.upstream_api_key == "":
             raise ValueError("upstream_api_key must not be empty (None: send no key)")
         check_endpoint(self.otlp_traces_endpoint)

@@ -5,7 +5,7 @@ engines of this model and role can take a request now"."""
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,7 @@ class EngineState:
     # Served model names: the endpoint's when discovery knows it, else from GET /v1/models.
     models: tuple[str, ...] = ()
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # model id -> /v1/models card
-    healthy: bool = False  # the latest active check passed
+    _healthy: bool = False  # `healthy`
     checked: bool = False  # an active check has finished at least once
     consecutive_failures: int = 0  # failed requests in a row (passive health)
     ejected_until: float | None = None  # monotonic time; None: not ejected
@@ -44,10 +44,26 @@ class EngineState:
     compatibility: dict[str, str | int | float | bool] = field(default_factory=dict)  # its parts
     # A warning said this (decode) engine has no compatible prefill engine; cleared when it has.
     warned_unpaired: bool = False
+    # Called when the engine comes up (`healthy` turns true): requests held for its models
+    # may go on. Set by `EngineSet`.
+    on_up: Callable[[EngineState], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.endpoint.model is not None and not self.models:
             self.models = (self.endpoint.model,)
+
+    @property
+    def healthy(self) -> bool:
+        """The latest active check passed (its models are known then); set by the health
+        checks, and cleared by a passive ejection until a check passes again."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, ok: bool) -> None:
+        came_up = ok and not self._healthy
+        self._healthy = ok
+        if came_up and self.on_up is not None:
+            self.on_up(self)
 
     @property
     def url(self) -> str:
@@ -76,10 +92,12 @@ class EngineState:
 
 
 class EngineSet:
-    """The known engines by URL, in step with discovery."""
+    """The known engines by URL, in step with discovery; `on_up` is called with each engine
+    that comes up (its health check passes after failing, or for the first time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_up: Callable[[EngineState], None] | None = None) -> None:
         self._engines: dict[str, EngineState] = {}
+        self._on_up = on_up
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(list(self._engines.values()))
@@ -99,7 +117,7 @@ class EngineSet:
         added = []
         for url, endpoint in wanted.items():
             if url not in self._engines:
-                state = EngineState(endpoint)
+                state = EngineState(endpoint, on_up=self._on_up)
                 self._engines[url] = state
                 added.append(state)
         return added, removed
@@ -111,6 +129,11 @@ class EngineSet:
     def of_model(self, model: str, roles: Collection[Role]) -> list[EngineState]:
         """Known engines (available or not) serving `model` in one of `roles`."""
         return [s for s in self._engines.values() if s.role in roles and model in s.models]
+
+    def any_up(self, model: str, roles: Collection[Role]) -> bool:
+        """Whether an engine of `model` in one of `roles` passed its last health check (an
+        ejected one that passed since is up, though not yet available)."""
+        return any(s.healthy for s in self.of_model(model, roles))
 
     def available(self, model: str, roles: Collection[Role]) -> list[EngineState]:
         """Engines serving `model` in one of `roles` that may take a request now."""

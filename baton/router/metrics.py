@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +25,10 @@ DisaggOutcome = Literal[
 DISAGG_OUTCOMES: tuple[DisaggOutcome, ...] = get_args(DisaggOutcome)
 MigrationOutcome = Literal["resumed", "failed", "limit_reached"]
 MIGRATION_OUTCOMES: tuple[MigrationOutcome, ...] = get_args(MigrationOutcome)
+# How a request held for an engine of its model ended (`hold`): let go to routing, out of time,
+# refused on a full queue, its client gone, or the router stopping.
+HoldOutcome = Literal["released", "timed_out", "rejected", "abandoned", "shutdown"]
+HOLD_OUTCOMES: tuple[HoldOutcome, ...] = get_args(HoldOutcome)
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, 600.0]  # fmt: skip
@@ -121,6 +125,28 @@ class RouterMetrics:
             registry=reg,
         )
         self._migrations = {o: migrations.labels(o) for o in MIGRATION_OUTCOMES}
+        # Pushed by `hold.Holds` as its queues change: KEDA wakes a pool at zero on it, so it
+        # shows 0 for every model the router knows (`hold_model`), not only for those that held
+        # a request.
+        self._held = Gauge(
+            "baton:router_held_requests",
+            "Requests waiting for an engine of their model (none up: a pool at zero).",
+            ["model"],
+            registry=reg,
+        )
+        self._hold_outcomes = Counter(
+            "baton:router_hold_outcomes",
+            "How held requests ended: released to routing, timed_out, rejected (queue full), "
+            "abandoned (client left) or shutdown (router stopping).",
+            ["model", "outcome"],
+            registry=reg,
+        )
+        self._hold_seconds = Histogram(
+            "baton:router_hold_seconds",
+            "How long requests were held for an engine of their model, whatever the outcome.",
+            registry=reg,
+            buckets=_LATENCY_BUCKETS,
+        )
 
         def latency(name: str, doc: str) -> dict[str, Histogram]:
             histogram = Histogram(name, doc, ["route"], registry=reg, buckets=_LATENCY_BUCKETS)
@@ -152,6 +178,23 @@ class RouterMetrics:
 
     def migration(self, outcome: MigrationOutcome) -> None:
         self._migrations[outcome].inc()
+
+    def hold_model(self, model: str) -> None:
+        """`model` is known: its held-requests gauge and hold outcomes show 0 until they move
+        (KEDA needs the gauge before any request; `increase()` needs each counter's 0)."""
+        self._held.labels(model).set(0)
+        for outcome in HOLD_OUTCOMES:
+            self._hold_outcomes.labels(model, outcome)
+
+    def held(self, model: str, count: int) -> None:
+        """`count` requests wait for an engine of `model` now."""
+        self._held.labels(model).set(count)
+
+    def hold_outcome(self, model: str, outcome: HoldOutcome, seconds: float | None) -> None:
+        """A request for `model` ended its hold after `seconds` (None: it was never held)."""
+        self._hold_outcomes.labels(model, outcome).inc()
+        if seconds is not None:
+            self._hold_seconds.observe(seconds)
 
     def duration(self, route: str, seconds: float) -> None:
         _observe(self._duration, route, seconds)

@@ -39,6 +39,7 @@ from baton.router.engines import (
 )
 from baton.router.handoff import Handoff
 from baton.router.health import HealthMonitor
+from baton.router.hold import Holds
 from baton.router.kv_index import KVIndex
 from baton.router.kv_subscriber import Subscriptions, source_of
 from baton.router.metrics import RouterMetrics
@@ -117,7 +118,7 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._session: aiohttp.ClientSession | None = None
-        self.engines = EngineSet()
+        self.engines = EngineSet(on_up=self._on_engine_up)
         self.index = PrefixIndex(config.prefix_index_blocks)  # approximate
         self.kv_index = KVIndex()  # exact, from the engines' KV events
         self.subscriptions = Subscriptions(self.kv_index)
@@ -126,6 +127,10 @@ class Router:
         )
         self.tokenizers = Tokenizers(self._fetch_tokenizer)
         self.metrics = RouterMetrics(self.engines)
+        # Requests of models with no engine up wait here; these models are known from the start.
+        self.holds = Holds(
+            config.hold_timeout, config.hold_queue_size, self.metrics, config.served_models
+        )
         self.health = HealthMonitor(
             self.engines,
             self.session,
@@ -169,6 +174,7 @@ class Router:
         self._discovery = asyncio.create_task(discovery.run(self.on_discovery), name="discovery")
 
     async def close(self) -> None:
+        self.holds.close()
         if self._discovery is not None:
             self._discovery.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -181,6 +187,9 @@ class Router:
         await asyncio.to_thread(self.tracer.shutdown)  # the spans still queued
 
     def on_discovery(self, endpoints: frozenset[Endpoint]) -> None:
+        for endpoint in endpoints:
+            if endpoint.model is not None:
+                self.holds.know(endpoint.model)  # still served once its engines are gone
         added, removed = self.engines.update(endpoints)
         for state in removed:
             logger.info("engine %s (%s) removed", state.url, state.role)
@@ -191,6 +200,14 @@ class Router:
             logger.info("engine %s (%s) added", state.url, state.role)
             self.health.watch(state)
         self.discovered.set()
+
+    def _on_engine_up(self, state: EngineState) -> None:
+        """An engine passed its health check after failing (or for the first time): a decode
+        or aggregated one can answer its models' held requests."""
+        for model in state.models:
+            self.holds.know(model)
+            if state.role in DECODE_ROLES:
+                self.holds.release(model)
 
     def on_health(self, state: EngineState, health: dict[str, Any]) -> None:
         """An engine answered /health: follow its KV events as it advertises them (unless
@@ -320,8 +337,9 @@ class Router:
         return json.dumps(body).encode()
 
     def resolve_model(self, model: object) -> str:
-        """The model a request names; the only one served when it names none."""
-        served = self.engines.models()
+        """The model a request names; the only one served when it names none. Served: the
+        models of the known engines, `served_models`, and every model discovery has shown."""
+        served = sorted({*self.engines.models(), *self.holds.models()})
         if model is None:
             if len(served) == 1:
                 return served[0]
@@ -387,7 +405,11 @@ class Router:
     # -- sending on --
 
     async def generate(self, routed: Routed) -> Response:
-        """Answers a completions or chat completions request."""
+        """Answers a completions or chat completions request; held first while no engine that
+        can answer it (decode or aggregated) is up. A missing prefill pool is the hand-off's
+        matter (`on_no_prefill`), not a reason to hold."""
+        if self.config.hold_timeout > 0 and not self.engines.any_up(routed.model, DECODE_ROLES):
+            await cancel_on_disconnect(routed.request, self.holds.hold(routed.model))
         if self.has_disaggregated(routed.model):
             return await self.handoff.serve(routed)
         return await self.forward(
@@ -462,8 +484,11 @@ class Router:
         return self.upstream.response(answer, route, started)
 
     def models(self) -> dict[str, Any]:
-        """GET /v1/models: every model of every known engine."""
-        cards: dict[str, dict[str, Any]] = {}
+        """GET /v1/models: every model of every known engine, and the models served with no
+        engine now (a pool at zero: a request wakes it)."""
+        cards: dict[str, dict[str, Any]] = {
+            m: {"id": m, "object": "model", "owned_by": "baton"} for m in self.holds.models()
+        }
         for state in self.engines:
             for model in state.models:
                 card = state.cards.get(model)

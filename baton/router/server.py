@@ -1,6 +1,7 @@
 """Running the router: the app under the shared HTTP server until SIGINT or SIGTERM (uvicorn's
 graceful shutdown lets open streams finish, then discovery, health checks and connections
-close)."""
+close). Requests held for an engine (`hold`) are answered 503 at the signal: no engine will come
+for them here, and their clients can retry on another replica at once."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ logger = logging.getLogger(__name__)
 
 async def run_router(config: RouterConfig, discovery: Discovery, listen: ListenConfig) -> int:
     """Serves until SIGINT or SIGTERM (a second one cuts open streams); the exit code."""
+    router = Router(config)
     http = HTTPServer(
-        build_app(Router(config), discovery),
+        build_app(router, discovery),
         listen,
         lifespan="on",  # starts discovery, and closes the router at the end
         graceful_shutdown=listen.shutdown_timeout,
@@ -27,6 +29,7 @@ async def run_router(config: RouterConfig, discovery: Discovery, listen: ListenC
 
     def on_signal(sig: signal.Signals) -> None:
         logger.info("%s: stopping the router", sig.name)
+        router.holds.close()
         http.stop(force=http.stopping)
 
     with http.handle_signals(on_signal):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,15 +19,6 @@ Endpoints = frozenset[Endpoint]
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 SERVICES = "/api/v1/namespaces/{ns}/services"
 ISVCS = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
-
-
-@pytest.fixture()
-def api(tmp_path: Path) -> Iterator[tuple[ApiServer, str]]:
-    """The emulated API server and a kubeconfig for it."""
-    server = ApiServer().start()
-    server.declare(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, ("status",))
-    yield server, str(server.write_kubeconfig(tmp_path / "kubeconfig"))
-    server.stop()
 
 
 def service(

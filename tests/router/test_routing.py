@@ -131,9 +131,10 @@ def test_every_engine_pushing_back_gives_429(cluster: FakeCluster) -> None:
 
 
 def test_no_available_engine_gives_503(cluster: FakeCluster) -> None:
-    """With the model's only engine failing its health check, requests get a clear 503."""
+    """With the model's only engine failing its health check and holding off (--hold-timeout 0;
+    held requests: test_hold.py), requests get a clear 503 at once."""
     engine, _ = cluster.add()
-    with routed(cluster) as router:
+    with routed(cluster, hold_timeout=0) as router:
         engine.healthy = False
         router.wait_ready(available=0)
         r = httpx.post(f"{router.url}/v1/completions", json={"model": "fake", "prompt": "x"})

@@ -55,4 +55,9 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version | replace "+" "_" }}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["podmonitors"]
   verbs: ["get", "create", "patch"]
+# The ScaledObject of each pool with autoscaling.engine keda, where KEDA is installed: applied,
+# and listed and deleted when a pool leaves KEDA; never watched.
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
+  verbs: ["get", "list", "create", "patch", "delete"]
 {{- end }}
