@@ -230,7 +230,11 @@ class DecodeModel:
         sxx = sum(w * (x - mx) ** 2 for w, x, _ in points)
         sxy = sum(w * (x - mx) * (y - my) for w, x, y in points)
         b = max(sxy / sxx, 1e-9)  # the prior's two points keep sxx > 0; ITL never falls with B
-        return my - b * mx, b
+        a = my - b * mx
+        if a < 0:  # no step takes negative time: fit the line through the origin instead
+            sxx0 = sum(w * x * x for w, x, _ in points)
+            return 0.0, max(sum(w * x * y for w, x, y in points) / sxx0, 1e-9)
+        return a, b
 
     def streams_at(self, itl_s: float) -> float:
         """B*: streams one engine holds with the mean ITL at `itl_s`, and at least the most it
