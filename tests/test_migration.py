@@ -7,7 +7,6 @@ so each case starts with two decode engines again."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.support.procs import engine_core_pid
+from tests.support.procs import engine_core
 from tests.support.thread_server import scrape
 from tests.test_serve import ENGINE_FLAGS, Serve, _engine_pid, needs_roles
 
@@ -106,15 +105,15 @@ class _Paced:
 
     def __init__(self, urls: list[str]) -> None:
         self.urls = urls
-        self.cores = [engine_core_pid(_engine_pid(url)) for url in urls]
-        for pid in self.cores:  # the test's own timing comes first on a loaded machine
-            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        self.cores = [engine_core(_engine_pid(url)) for url in urls]
+        for core in self.cores:  # the test's own timing comes first on a loaded machine
+            os.setpriority(os.PRIO_PROCESS, core.pid, 19)
 
     def __enter__(self) -> _Paced:
         self._signal(signal.SIGSTOP)
         time.sleep(0.05)
-        states = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                  for pid in self.cores]  # fmt: skip
+        states = [Path(f"/proc/{core.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for core in self.cores]  # fmt: skip
         assert states == ["T"] * len(self.cores), (self.urls, self.cores, states)
         return self
 
@@ -133,9 +132,8 @@ class _Paced:
             time.sleep(0.05)
 
     def _signal(self, sig: signal.Signals) -> None:
-        for pid in self.cores:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+        for core in self.cores:  # a killed one is skipped, never another that took its id
+            core.signal(sig)
 
 
 def _stream_killed(

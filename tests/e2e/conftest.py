@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.engine_server import NAME, Server, start_all, stop_all
-from tests.support.procs import alive, engine_core_pid
+from tests.support.procs import Process, alive, engine_core
 from tests.support.router_process import RouterProcess
 
 BLOCK = "8"
@@ -58,7 +58,7 @@ class Fleet:
         self.model, self.tmp = model, tmp
         self.servers: dict[str, Server] = {}
         self.pids: dict[str, int] = {}
-        self.core_pids: dict[str, int] = {}
+        self.cores: dict[str, Process] = {}
 
     def __getitem__(self, name: str) -> Server:
         return self.servers[name]
@@ -67,12 +67,11 @@ class Fleet:
         flags = {name: (*COMMON, "--role", role, *extra) for name, (role, extra) in ENGINES.items()}
         self.servers = start_all(self.model, self.tmp, flags)
         self.pids = {name: s.proc.pid for name, s in self.servers.items()}
-        self.core_pids = {n: engine_core_pid(s.proc.pid) for n, s in self.servers.items()}
+        self.cores = {n: engine_core(s.proc.pid) for n, s in self.servers.items()}
 
     def stop(self) -> None:
-        for pid in self.core_pids.values():  # a SIGSTOPped core must not linger
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        for core in self.cores.values():  # a SIGSTOPped core must not linger
+            core.signal(signal.SIGCONT)
         stop_all(self.servers.values())
 
 
@@ -97,7 +96,8 @@ def fleet(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield fleet
     finally:
         fleet.stop()
-    left = [p for p in [*fleet.pids.values(), *fleet.core_pids.values()] if alive(p)]
+    left = [p for p in fleet.pids.values() if alive(p)]
+    left += [core.pid for core in fleet.cores.values() if core.running()]
     assert not left, f"processes left behind: {left}"
 
 
@@ -267,7 +267,8 @@ class Stream:
         self.client.close()
 
 
-def stop_core(fleet: Fleet, name: str) -> int:
-    pid = fleet.core_pids[name]
-    os.kill(pid, signal.SIGSTOP)
-    return pid
+def stop_core(fleet: Fleet, name: str) -> Process:
+    """SIGSTOPs the EngineCore of engine `name`; says so if it has ended already."""
+    core = fleet.cores[name]
+    assert core.signal(signal.SIGSTOP), f"the EngineCore of {name} ended:\n{fleet[name].log()}"
+    return core

@@ -4,7 +4,6 @@ flight finishes, leases are claimed or expire before a prefill engine exits."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +58,7 @@ def test_sigterm_to_a_decode_engine_drains(fleet: Fleet, make_router: Any) -> No
         routed = list(pool.map(lambda i: complete(router.url, f"during drain {i}"), range(4)))
     assert [r.status_code for r in routed] == [200] * 4
     assert {r.headers["x-baton-engine"] for r in routed} == {d0.url}
-    os.kill(core, signal.SIGCONT)
+    core.signal(signal.SIGCONT)
     ends = [s.finish() for s in streams]
     assert all(kind == "done" and len(ids) == STREAM_TOKENS for kind, ids in ends), ends
     t_streams = time.monotonic() - start

@@ -15,7 +15,6 @@ corrupts, an unclaimed lease expiring, params of a restarted engine.
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import socket
 import threading
@@ -94,7 +93,7 @@ def test_prefill_core_killed(fleet: Fleet) -> None:
             kv_transfer_params={"do_remote_decode": True},
         )
         time.sleep(0.5)
-        os.kill(core, signal.SIGKILL)
+        core.signal(signal.SIGKILL)
         killed = time.monotonic()
         (r_a, t_a), (r_d, t_d) = answer_a.result(), pull_d.result()
         r_b, t_b = _timed(pool, decode_step, d0, b, params_b).result()
@@ -142,7 +141,7 @@ def test_prefill_server_killed(fleet: Fleet, make_router: Any) -> None:
         time.sleep(0.2)  # on its way to the victim's API server, which admits it
         victim.proc.kill()
         killed = time.monotonic()
-        os.kill(core, signal.SIGCONT)  # an orphan now, busy with the stream
+        core.signal(signal.SIGCONT)  # an orphan now, busy with the stream
         orphan_exit = pool.submit(wait_exit, core, 30)
         r_a, t_a = via_router.result()
         kind, why = blocker.finish()
@@ -220,10 +219,13 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
                 time.sleep(0.05)
             # The victim's core stops until the kill, so its stream cannot end before it.
             core = stop_core(fleet, name)
-            os.kill(core if target == "core" else victim.proc.pid, signal.SIGKILL)
+            if target == "core":
+                core.signal(signal.SIGKILL)
+            else:
+                victim.proc.kill()
             killed = time.monotonic()
             if target == "server":
-                os.kill(core, signal.SIGCONT)  # an orphan now; it notices and exits
+                core.signal(signal.SIGCONT)  # an orphan now; it notices and exits
             try:
                 r_d, _ = pull.result()
                 pulled = f"HTTP {r_d.status_code}"
@@ -263,7 +265,7 @@ def test_decode_engine_killed(fleet: Fleet, make_router: Any, target: str) -> No
     )
     if target == "core":
         assert victim.proc.wait(10) == 1
-    wait_exit(fleet.core_pids[name], 10)
+    wait_exit(fleet.cores[name], 10)
     _survivors_serve(fleet, router.url)
 
 
@@ -285,7 +287,7 @@ def test_router_killed(fleet: Fleet, make_router: Any) -> None:
         router.proc.kill()
         killed = time.monotonic()
         for core in cores:
-            os.kill(core, signal.SIGCONT)
+            core.signal(signal.SIGCONT)
         try:
             pending.result()
             outcome = "answered"

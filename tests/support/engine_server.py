@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import openai
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.procs import children
+from tests.support.procs import children, opened
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -68,7 +67,7 @@ class Server:
         lease a test left unclaimed would hold it for the lease time: the second signal stops it
         at once); SIGKILL for the server and its children if it lingers 5 s even then."""
         if self.proc.poll() is None:
-            kids = children(self.proc.pid)
+            kids = opened(children(self.proc.pid))
             for wait in (drain_seconds, 5):
                 self.proc.terminate()
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -77,9 +76,8 @@ class Server:
             else:
                 self.proc.kill()
                 self.proc.wait(5)
-            for pid in kids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            for kid in kids:
+                kid.signal(signal.SIGKILL)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)

@@ -1,7 +1,12 @@
-"""Probes of processes from /proc: children, liveness, resident memory, the EngineCore child."""
+"""Probes of processes from /proc: children, liveness, resident memory, the EngineCore child;
+and `Process`, a handle that signals one process and never a later one that reuses its id."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import signal
 import time
 from pathlib import Path
 
@@ -30,11 +35,12 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def wait_exit(pid: int, timeout: float) -> float:
-    """Seconds until `pid` has ended; fails after `timeout`."""
+def wait_exit(process: int | Process, timeout: float) -> float:
+    """Seconds until `process` has ended; fails after `timeout`."""
     start = time.monotonic()
-    while alive(pid):
-        assert time.monotonic() - start < timeout, f"process {pid} still runs after {timeout} s"
+    running = process.running if isinstance(process, Process) else lambda: alive(process)
+    while running():
+        assert time.monotonic() - start < timeout, f"{process} still runs after {timeout} s"
         time.sleep(0.05)
     return time.monotonic() - start
 
@@ -45,6 +51,47 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for {pid}")
+
+
+class Process:
+    """One process held by a pidfd, opened while it runs. A pid held as a number and signalled
+    later may name another process by then: ids are reused (pid_max is 32768 here, and every
+    thread takes one), and `kill` of a thread's id signals that thread's whole process, so a
+    stale SIGKILL once killed a test's bystander engine. A pidfd signals this process or none."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)  # ProcessLookupError when it has ended already
+
+    def signal(self, sig: int) -> bool:
+        """Sends `sig`; False when the process has ended."""
+        try:
+            signal.pidfd_send_signal(self._fd, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def running(self) -> bool:
+        """True until the process exits (a zombie has exited)."""
+        return not select.select([self._fd], [], [], 0)[0]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._fd)
+
+
+def opened(pids: list[int]) -> list[Process]:
+    """Handles of those of `pids` that still run."""
+    handles = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            handles.append(Process(pid))
+    return handles
+
+
+def engine_core(server_pid: int) -> Process:
+    """The EngineCore child of the engine server `server_pid`, as a handle."""
+    return Process(engine_core_pid(server_pid))
 
 
 def engine_core_pid(server_pid: int) -> int:

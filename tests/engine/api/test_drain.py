@@ -5,9 +5,7 @@ connection, and their engine requests are aborted (`AsyncLLM.fail_all`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,7 @@ from baton.engine.config import EngineArgs
 from baton.engine.sampling_params import SamplingParams
 from baton.errors import APIError
 from tests.support.engine_server import start_server
-from tests.support.procs import engine_core_pid
+from tests.support.procs import engine_core
 
 pytestmark = pytest.mark.slow  # a real engine (and a server process): seconds to start
 
@@ -77,7 +75,7 @@ def test_drain_timeout_fails_open_requests_with_503(model: Path, tmp_path: Path)
     the 503 error event and `[DONE]`, the other request gets a 503 answer, and the server
     exits 0."""
     s = start_server(model, tmp_path, "--shutdown-timeout", "1")
-    core = engine_core_pid(s.proc.pid)
+    core = engine_core(s.proc.pid)
     try:
         with httpx.Client(timeout=30) as client, ThreadPoolExecutor(1) as pool:
             whole = pool.submit(
@@ -99,7 +97,7 @@ def test_drain_timeout_fails_open_requests_with_503(model: Path, tmp_path: Path)
             while s.metrics()["vllm:num_requests_running{}"] < 3:
                 assert time.monotonic() < deadline, "the non-streamed request never ran"
                 time.sleep(0.05)
-            os.kill(core, signal.SIGSTOP)
+            core.signal(signal.SIGSTOP)
             s.proc.terminate()
             start = time.monotonic()
             ends = [b"".join(it) for it in chunks]
@@ -107,7 +105,7 @@ def test_drain_timeout_fails_open_requests_with_503(model: Path, tmp_path: Path)
             answer = whole.result(10)
             for cm in streams:
                 cm.__exit__(None, None, None)
-        os.kill(core, signal.SIGCONT)
+        core.signal(signal.SIGCONT)
         for end in ends:
             assert end.endswith(DRAIN_END), end[-300:]
             assert all(b"error" not in e for e in end[: -len(DRAIN_END)].split(b"\n\n"))
@@ -117,6 +115,5 @@ def test_drain_timeout_fails_open_requests_with_503(model: Path, tmp_path: Path)
         assert s.proc.wait(20) == 0, s.log()
         assert "failing 3 requests with 503" in s.log()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(core, signal.SIGCONT)
+        core.signal(signal.SIGCONT)
         s.stop()
