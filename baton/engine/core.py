@@ -38,15 +38,14 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
 
 
-def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        from baton.engine.models.tiny import default_model_path
+def resolve_model_path(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """The local folder for `--model` (a folder, a GGUF file, a repo id or None): see
+    `baton.engine.models.source`."""
+    from baton.engine.models.source import resolve_model
 
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model folder {path} does not exist (no model hub is used)")
-    return path
+    return resolve_model(model, revision, download_dir)
 
 
 class EngineCore:
@@ -54,7 +53,7 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self.model_path = resolve_model_path(args.model)
+        self.model_path = resolve_model_path(args.model, args.revision, args.download_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         mc = self.model_config
         device = _resolve_device(args.device)
@@ -67,13 +66,6 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mc.max_position_embeddings}"
             )
-        if mc.sliding_window is not None and self.max_model_len > mc.sliding_window:
-            logger.warning(
-                "sliding-window attention is not implemented: max_model_len capped to the "
-                "window, %d",
-                mc.sliding_window,
-            )
-            self.max_model_len = mc.sliding_window
         attention = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
         tp = args.tensor_parallel_size
         # A model that does not split, or a fingerprint that cannot be read, says so before any
@@ -152,6 +144,7 @@ class EngineCore:
                 block_size=args.block_size,
                 enable_prefix_caching=args.enable_prefix_caching,
                 enable_kv_cache_events=args.kv_events_enabled,
+                sliding_window=_kv_window(mc),
             ),
             connector,
         )
@@ -334,6 +327,15 @@ class EngineCore:
         oldest, oldest_pending = self._in_flight.popleft()
         outputs += self.scheduler.update_from_output(oldest, oldest_pending.result())
         return outputs, num_tokens
+
+
+def _kv_window(mc: ModelConfig) -> int | None:
+    """The window past which no layer reads a block, when every layer has one (Mistral): the
+    KV cache manager frees blocks that fall behind it. None when any layer is global (Gemma 2)."""
+    windows = mc.layer_windows
+    if not windows or any(w is None for w in windows):
+        return None
+    return max(w for w in windows if w is not None)
 
 
 def _resolve_device(name: str) -> torch.device:

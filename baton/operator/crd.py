@@ -34,6 +34,9 @@ AGGREGATED_TARGET = "4"
 # the bound: past it a rolling update of a few dozen pods, or a node drain, can take a day.
 DEFAULT_DRAIN_SECONDS = 120
 MAX_DRAIN_SECONDS = 3600
+# A PersistentVolumeClaim's name is a DNS-1123 subdomain (`spec.model.cache.claimName`).
+CLAIM_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+CLAIM_NAME_MAX = 253
 
 Schema = dict[str, Any]
 
@@ -244,6 +247,20 @@ SPEC: Schema = _obj(
                     },
                     "Secret holding HF_TOKEN for hf:// downloads.",
                     required=["name"],
+                ),
+                "cache": _obj(
+                    {
+                        "claimName": {
+                            **_str("An existing ReadWriteMany PersistentVolumeClaim."),
+                            "minLength": 1,
+                            "maxLength": CLAIM_NAME_MAX,
+                            "pattern": CLAIM_NAME,
+                        },
+                    },
+                    "hf:// only: a shared volume for the Hugging Face cache, mounted read-write "
+                    "at /models in every engine pod, so the first download serves every replica "
+                    "and restart; default: an emptyDir per pod.",
+                    required=["claimName"],
                 ),
             },
             "The model to serve.",

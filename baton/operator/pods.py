@@ -1,6 +1,6 @@
 """Pure builders of the engine and router pod templates: command lines, probes, the drain
-arithmetic (shutdown timeouts and grace periods), model fetch, GPU requests, the API key, the
-hand-off secret's mount, and the Pod Security "restricted" settings (non-root, no privilege
+arithmetic (shutdown timeouts and grace periods), the model's volume, GPU requests, the API key,
+the hand-off secret's mount, and the Pod Security "restricted" settings (non-root, no privilege
 escalation, no capabilities, RuntimeDefault seccomp, a read-only root with emptyDir scratch
 where the code writes). No I/O; `resources.py` wraps these templates into Deployments.
 """
@@ -19,6 +19,15 @@ KV_EVENTS_PORT = 5557  # vLLM's default KV events port; replay on the next one
 ROUTER_PORT = 8000
 GPU = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
+# An hf:// model's Hugging Face cache (`--download-dir`): on `spec.model.cache`'s claim, shared
+# by every engine pod of the service and kept across restarts, or on the pod's own emptyDir.
+HUB_DIR = f"{MODEL_MOUNT}/hub"
+# How long the startup probe waits for `/health` before the kubelet restarts the container:
+# loading weights, and for hf:// downloading them first (the engine resolves the repo id before
+# it listens; after a restart it keeps the files it finished and fetches the rest).
+PROBE_PERIOD_SECONDS = 10
+LOAD_SECONDS = 15 * 60
+DOWNLOAD_SECONDS = 60 * 60
 # The drain arithmetic. Kubernetes counts `terminationGracePeriodSeconds` from the start of the
 # preStop hook and sends SIGTERM when the hook ends, SIGKILL when the period is over:
 #   grace = preStop + shutdown timeout + exit.
@@ -68,14 +77,16 @@ KV_SECRET_MODE = 0o440
 Manifest = dict[str, Any]
 
 
-def model_path(model: ModelSource) -> str:
-    """The `--model` argument inside the engine container."""
+def model_args(model: ModelSource) -> list[str]:
+    """`--model` inside the engine container: an hf:// repo id, which the engine resolves
+    through the Hugging Face cache under `HUB_DIR` (downloading it when missing), or a folder."""
     if model.scheme == "hf":
         assert model.hf_repo is not None  # set by parse_model for hf://
-        return f"{MODEL_MOUNT}/{model.hf_repo}"
+        revision = ["--revision", model.revision] if model.revision else []
+        return ["--model", model.hf_repo, *revision, "--download-dir", HUB_DIR]
     if model.scheme == "pvc":
-        return f"{MODEL_MOUNT}/{model.path}".rstrip("/")
-    return model.path
+        return ["--model", f"{MODEL_MOUNT}/{model.path}".rstrip("/")]
+    return ["--model", model.path]
 
 
 def engine_shutdown_timeout(spec: InferenceServiceSpec, pool: Pool) -> int:
@@ -100,7 +111,8 @@ def engine_args(spec: InferenceServiceSpec, pool: Pool) -> list[str]:
     engine, kv = spec.engine, spec.kv_transfer
     args = [
         "engine",
-        "--model", model_path(spec.model),
+        *model_args(spec.model),
+        # Always given: the engine would name an hf:// model by its repo id, a folder by its path.
         "--served-model-name", spec.model.served_model_name,
         "--host", "0.0.0.0",
         "--port", str(ENGINE_PORT),
@@ -163,9 +175,12 @@ def pod_security_context() -> Manifest:
         "runAsNonRoot": True,
         "runAsUser": RUN_AS_USER,
         "runAsGroup": RUN_AS_USER,
-        # Mounted Secrets belong to root; this group lets the user read them at mode 0440.
-        # The model PVC is mounted read-only, so the kubelet changes nothing on it.
+        # Mounted Secrets belong to root; this group lets the user read them at mode 0440, and
+        # the user write to an hf:// model's cache claim. A pvc:// model is mounted read-only,
+        # so the kubelet changes nothing on it; on a cache claim that keeps its ownership it
+        # changes nothing either (no recursive walk of the weights at every start).
         "fsGroup": RUN_AS_USER,
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -196,7 +211,7 @@ def _secret_env(name: str, secret: tuple[str, str]) -> Manifest:
     return {"name": name, "valueFrom": {"secretKeyRef": ref}}
 
 
-def _probes(port: str) -> dict[str, Any]:
+def _probes(port: str, startup_seconds: int = LOAD_SECONDS) -> dict[str, Any]:
     def probe(period: int, failures: int) -> dict[str, Any]:
         return {
             "httpGet": {"path": "/health", "port": port},
@@ -207,41 +222,30 @@ def _probes(port: str) -> dict[str, Any]:
 
     return {
         # Loading weights may take minutes; liveness starts only once this has passed.
-        "startupProbe": probe(10, 90),
+        "startupProbe": probe(PROBE_PERIOD_SECONDS, startup_seconds // PROBE_PERIOD_SECONDS),
         "readinessProbe": probe(5, 2),
         "livenessProbe": probe(10, 6),
     }
 
 
-def _fetch_model(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
-    """Init containers and volumes that put the weights at `model_path`."""
+def _model_volume(spec: InferenceServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """The volume that holds the weights and the engine container's mount of it: a pvc://
+    claim read-only; for hf:// the Hugging Face cache the engine downloads into, read-write, on
+    `spec.model.cache`'s claim or else an emptyDir (a restarted container reuses it, a new pod
+    downloads again); nothing for file://."""
     model = spec.model
     if model.scheme == "file":
         return [], []
     if model.scheme == "pvc":
         claim = {"claimName": model.pvc_claim, "readOnly": True}
-        return [], [{"name": "model", "persistentVolumeClaim": claim}]
-    assert model.hf_repo is not None
-    args = ["download", model.hf_repo, "--local-dir", model_path(model)]
-    if model.revision:
-        args += ["--revision", model.revision]
-    env: list[Manifest] = [{"name": "HF_HOME", "value": f"{MODEL_MOUNT}/.cache"}]
-    if model.hf_token_secret:
-        env.append(_secret_env("HF_TOKEN", model.hf_token_secret))
-    init = {
-        "name": "fetch-model",
-        "image": spec.image,
-        "imagePullPolicy": spec.image_pull_policy,
-        "command": ["hf"],
-        "args": args,
-        "env": env,
-        "volumeMounts": [
-            {"name": "model", "mountPath": MODEL_MOUNT},
-            {"name": "tmp", "mountPath": TMP_MOUNT},
-        ],
-        "securityContext": container_security_context(),
-    }
-    return [init], [{"name": "model", "emptyDir": {}}]
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        return [{"name": "model", "persistentVolumeClaim": claim}], [mount]
+    source: Manifest = (
+        {"persistentVolumeClaim": {"claimName": model.cache_claim}}
+        if model.cache_claim
+        else {"emptyDir": {}}
+    )
+    return [{"name": "model", **source}], [{"name": "model", "mountPath": MODEL_MOUNT}]
 
 
 def engine_pod(
@@ -252,8 +256,7 @@ def engine_pod(
     kv_secret: str,
 ) -> Manifest:
     """The pod template of one engine pool; a pool that moves KV mounts the Secret `kv_secret`."""
-    init_containers, volumes = _fetch_model(spec)
-    mounts = [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}] if volumes else []
+    volumes, mounts = _model_volume(spec)
     scratch_volumes, scratch_mounts, cache_env = _scratch()
     volumes += scratch_volumes
     mounts += scratch_mounts
@@ -269,6 +272,8 @@ def engine_pod(
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     key = spec.api_key_secret
     key_env = [_secret_env(API_KEY_ENV, key)] if key else []
+    token = spec.model.hf_token_secret if spec.model.scheme == "hf" else None
+    token_env = [_secret_env("HF_TOKEN", token)] if token else []
     container: Manifest = {
         "name": "engine",
         "image": spec.image,
@@ -289,12 +294,12 @@ def engine_pod(
                 if spec.engine.enable_prefix_caching
             ),
         ],
-        "env": [pod_ip, *cache_env, *key_env, *copy.deepcopy(pool.env)],
+        "env": [pod_ip, *cache_env, *key_env, *token_env, *copy.deepcopy(pool.env)],
         "resources": engine_resources(pool),
         "securityContext": container_security_context(),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        **_probes("http"),
+        **_probes("http", DOWNLOAD_SECONDS if spec.model.scheme == "hf" else LOAD_SECONDS),
     }
     pod_spec: Manifest = {
         # Engines never call the API server; a token in the pod is only something to steal.
@@ -307,8 +312,6 @@ def engine_pod(
         "nodeSelector": dict(pool.node_selector),
         "tolerations": copy.deepcopy(pool.tolerations),
     }
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
     return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
 
 

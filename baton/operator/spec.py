@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Literal
 
+from baton.operator.crd import CLAIM_NAME, CLAIM_NAME_MAX
 from baton.operator.validation import SpecError, defaulted_spec
 from baton.roles import Role
 
@@ -30,6 +31,9 @@ class ModelSource:
     pvc_claim: str | None = None  # claim name for pvc://
     path: str = ""  # path inside the claim (pvc://) or the image (file://)
     hf_token_secret: tuple[str, str] | None = None  # (Secret name, key)
+    # hf:// only: an existing ReadWriteMany claim for the Hugging Face cache, shared by every
+    # engine pod (`spec.model.cache.claimName`); None: each pod downloads into its own emptyDir
+    cache_claim: str | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,19 @@ def _check_not_reserved(arg: str) -> None:
         )
 
 
+# A Hugging Face repo id as the engine recognises one (`baton.engine.config.is_repo_id`).
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _check_claim_name(where: str, claim: str, reason: str) -> None:
+    if len(claim) > CLAIM_NAME_MAX or not re.fullmatch(CLAIM_NAME, claim):
+        raise SpecError(
+            reason,
+            f"{where} {claim!r} is not a PersistentVolumeClaim name (lower-case letters, digits, "
+            f"'-' and '.', starting and ending with a letter or digit, at most {CLAIM_NAME_MAX})",
+        )
+
+
 def parse_model(model: dict[str, Any]) -> ModelSource:
     """`hf://org/name[@revision]`, `pvc://claim/path` or `file:///path`."""
     uri: str = model["uri"]
@@ -273,12 +290,23 @@ def parse_model(model: dict[str, Any]) -> ModelSource:
         )
     secret = model.get("hfTokenSecret")
     token = (secret["name"], secret["key"]) if secret else None
+    cache = model.get("cache")
+    cache_claim: str | None = cache["claimName"] if cache else None
+    if cache_claim is not None:
+        _check_claim_name("spec.model.cache.claimName", cache_claim, "InvalidModelCache")
+        if scheme != "hf":
+            raise SpecError(
+                "InvalidModelCache",
+                f"spec.model.cache is where hf:// models are downloaded; a {scheme}:// model is "
+                "read where it is: remove spec.model.cache",
+            )
     served: str | None = model.get("servedModelName")
     if served is not None:
         _check_no_expansion("spec.model.servedModelName", served)
     if scheme == "hf":
         repo, _, revision = rest.partition("@")
-        if repo.count("/") != 1 or not all(repo.split("/")):
+        if not _REPO_ID.fullmatch(repo):
+            # The engine takes `--model` for a repo id only in this form (else for a path).
             raise SpecError("InvalidModelURI", f"spec.model.uri {uri!r}: expected hf://org/name")
         return ModelSource(
             uri,
@@ -287,11 +315,13 @@ def parse_model(model: dict[str, Any]) -> ModelSource:
             hf_repo=repo,
             revision=revision or None,
             hf_token_secret=token,
+            cache_claim=cache_claim,
         )
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
         if not claim:
             raise SpecError("InvalidModelURI", f"spec.model.uri {uri!r}: expected pvc://claim/path")
+        _check_claim_name(f"spec.model.uri {uri!r}: the claim", claim, "InvalidModelURI")
         name = path.rstrip("/").rsplit("/", 1)[-1] or claim
         return ModelSource(uri, "pvc", served or name, pvc_claim=claim, path=path.strip("/"))
     if not rest.startswith("/") or rest == "/":

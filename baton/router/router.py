@@ -53,6 +53,7 @@ from baton.router.tokenizers import (
     TOKENIZER_PATH,
     Tokenizers,
     prompt_token_ids,
+    read_limited,
 )
 
 logger = logging.getLogger(__name__)
@@ -227,10 +228,7 @@ class Router:
         ) as response:
             if response.status != 200:
                 raise ValueError(f"{TOKENIZER_PATH} answered {response.status}")
-            body = await response.content.read(MAX_TOKENIZER_BYTES + 1)
-            if len(body) > MAX_TOKENIZER_BYTES:
-                raise ValueError(f"the tokenizer is larger than {MAX_TOKENIZER_BYTES} bytes")
-            return body
+            return await read_limited(response.content, MAX_TOKENIZER_BYTES)
 
     def ready(self) -> bool:
         """Discovery has answered and every known engine has been checked once."""

@@ -19,12 +19,26 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
+
 from baton.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_PATH = "/baton/tokenizer"
 MAX_TOKENIZER_BYTES = 64 << 20
+
+
+async def read_limited(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole body, or ValueError past `limit` bytes. (`StreamReader.read(n)` returns what
+    has arrived, at most n bytes: one call cut a large tokenizer short.)"""
+    body = bytearray()
+    async for chunk in content.iter_chunked(1 << 20):
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"the tokenizer is larger than {limit} bytes")
+    return bytes(body)
+
 
 Fetch = Callable[[str], Awaitable[bytes]]  # engine URL -> its tokenizer's JSON
 

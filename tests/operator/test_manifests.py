@@ -69,6 +69,24 @@ def test_examples_build_valid_children(name: str) -> None:
         assert pools["decode"].autoscaling and pools["decode"].autoscaling.min_replicas == 4
 
 
+def test_a_shared_model_cache_builds_valid_children() -> None:
+    """The disaggregated example with its commented `cache` claim switched on: every engine pod
+    mounts the claim, and every child passes strict validation."""
+    (isvc,) = documents(MANIFESTS / "examples" / "disaggregated.yaml")
+    isvc["metadata"]["uid"] = "00000000-0000-0000-0000-000000000001"
+    isvc["spec"]["model"]["cache"] = {"claimName": "model-cache"}
+    children = desired_children(isvc, parse_spec(isvc["spec"]))
+    for child in children:
+        validate(child)
+    engines = [
+        c for c in children if c["kind"] == "Deployment" and "-router" not in c["metadata"]["name"]
+    ]
+    assert len(engines) == 2
+    for deployment in engines:
+        volumes = deployment["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "model-cache"}} in volumes
+
+
 def test_operator_role_covers_what_the_operator_does() -> None:
     """The operator's ClusterRole allows managing every kind of child, reading the custom
     resource, patching its status, posting Events, and holding what router Roles grant."""

@@ -25,6 +25,10 @@ SPECS: dict[str, dict[str, Any]] = {
         "engine": {"tensorParallelSize": 2},
         "apiKeySecret": {"name": "keys"},
     },
+    "hf-shared-cache": {
+        "model": {"uri": "hf://acme/llama-8b", "cache": {"claimName": "hub-cache"}},
+        "image": "baton:1",
+    },
     "pvc-aggregated": {
         "model": {"uri": "pvc://weights/llama"},
         "image": "baton:1",
@@ -55,8 +59,8 @@ def test_the_checker_catches_what_restricted_forbids() -> None:
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_every_generated_template_is_restricted(name: str) -> None:
-    """Engine, model-fetch and router containers all pass restricted and have a read-only
-    root; engine pods mount no service account token."""
+    """Engine and router containers all pass restricted and have a read-only root; engine pods
+    mount no service account token and run no init container."""
     built = templates(SPECS[name])
     assert built
     for deployment, template in built.items():
@@ -65,24 +69,45 @@ def test_every_generated_template_is_restricted(name: str) -> None:
         assert annotation_violations(template["metadata"]) == []
         if not deployment.endswith("-router"):
             assert pod["automountServiceAccountToken"] is False
+            assert "initContainers" not in pod
 
 
-def test_every_writable_path_is_an_empty_dir() -> None:
+@pytest.mark.parametrize("name", ["hf-disaggregated-tp2", "hf-shared-cache"])
+def test_every_writable_path_is_an_empty_dir_or_the_cache_claim(name: str) -> None:
     """Each cache the code writes (its tempfiles, $BATON_CACHE_DIR's model and kernels,
-    Triton's kernels, Hugging Face's) points into an emptyDir mount, as does /tmp."""
-    for template in templates(SPECS["hf-disaggregated-tp2"]).values():
+    Triton's kernels, Hugging Face's) points into an emptyDir mount, as does /tmp; an hf://
+    model's download directory is under a read-write /models that is an emptyDir, or the
+    spec's cache claim, which is the only claim a pod writes to; the pod's fsGroup lets the
+    non-root user write there."""
+    claim = SPECS[name]["model"].get("cache", {}).get("claimName")
+    for deployment, template in templates(SPECS[name]).items():
         pod = template["spec"]
         empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
-        for container in pod["containers"] + pod.get("initContainers", []):
-            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-            writable = [path for path, volume in mounts.items() if volume in empty]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]
+            for v in pod["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        for container in pod["containers"]:
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            writable = [p for p, m in mounts.items() if not m.get("readOnly")]
+            assert all(mounts[p]["name"] in empty | set(claims) for p in writable)
+            for volume in {mounts[p]["name"] for p in writable} & set(claims):
+                assert claims[volume] == {"claimName": claim}, deployment
             assert "/tmp" in writable, container["name"]
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
             for var in ("BATON_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME", "XDG_CACHE_HOME"):
-                if var in env:
-                    assert any(env[var].startswith(p) for p in writable), (var, env[var])
-            if container["name"] != "fetch-model":
-                assert {"BATON_CACHE_DIR", "TRITON_CACHE_DIR", "HF_HOME"} <= set(env)
+                assert any(env[var].startswith(p) for p in writable), (var, env[var])
+            if deployment.endswith("-router"):
+                assert "/models" not in mounts
+                continue
+            args = container["args"]
+            download = args[args.index("--download-dir") + 1]
+            assert download.startswith("/models/") and "/models" in writable
+            assert ("emptyDir" in next(v for v in pod["volumes"] if v["name"] == "model")) == (
+                claim is None
+            )
+            assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"]
 
 
 def _pods(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
 import pytest
 
+from baton.engine.api.cli import add_server_args, configs_from_args
 from baton.operator.resources import desired_children, service_url
 from baton.operator.spec import parse_spec
 from baton.operator.validation import SpecError
@@ -150,7 +152,8 @@ def test_engine_command_line_has_every_engine_field() -> None:
     args = engine["args"]
     assert engine["command"] == ["baton"] and args[0] == "engine"
     expected = {
-        "--model": "/models/acme/llama-8b",
+        "--model": "acme/llama-8b",
+        "--download-dir": "/models/hub",
         "--served-model-name": "llama",
         "--host": "0.0.0.0",
         "--port": "8000",
@@ -232,25 +235,73 @@ def test_probes_drain_and_grace_period() -> None:
     assert prefill["terminationGracePeriodSeconds"] >= 10 + 120 + 60
 
 
-def test_model_fetch_per_scheme() -> None:
-    """hf:// downloads in an init container with HF_TOKEN from the Secret; pvc:// mounts the
-    claim read-only; file:// uses the image's path as it is."""
-    hf = BASE | {"model": {"uri": "hf://acme/llama@v2", "hfTokenSecret": {"name": "hf"}}}
-    pod = build(hf)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
-    (init,) = pod["initContainers"]
-    assert init["command"] == ["hf"]
-    fetch = ["download", "acme/llama", "--local-dir", "/models/acme/llama", "--revision", "v2"]
-    assert init["args"] == fetch
-    token = {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}
-    assert {"name": "HF_TOKEN", "valueFrom": token} in init["env"]
-    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+def engine_parse(pod: dict[str, Any]) -> tuple[Any, Any]:
+    """What `baton engine` makes of the engine container's args: (EngineArgs, ServerConfig)."""
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    return configs_from_args(parser.parse_args(pod["containers"][0]["args"][1:]))
 
-    pvc = BASE | {"model": {"uri": "pvc://weights/llama-8b"}}
+
+def test_hf_models_download_in_the_engine() -> None:
+    """hf:// runs `baton engine --model org/name --revision R --download-dir /models/hub` with
+    HF_TOKEN from the Secret on the engine (no init container), the served name as before, into
+    a read-write emptyDir at /models without a cache claim; each pod has an hour to download."""
+    hf = BASE | {"model": {"uri": "hf://acme/llama@v2", "hfTokenSecret": {"name": "hf"}}}
+    for name in ("llama-prefill", "llama-decode"):
+        pod = build(hf)[("Deployment", name)]["spec"]["template"]["spec"]
+        assert "initContainers" not in pod
+        engine = pod["containers"][0]
+        args, server = engine_parse(pod)
+        assert (args.model, args.revision, args.download_dir) == ("acme/llama", "v2", "/models/hub")
+        assert server.served_model_name == "acme/llama"  # the repo id, as the init container's
+        token = {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}
+        assert {"name": "HF_TOKEN", "valueFrom": token} in engine["env"]
+        assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+        assert {"name": "model", "mountPath": "/models"} in engine["volumeMounts"]  # read-write
+        startup = engine["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] == 3600
+    # No revision: none passed (the engine takes the repo's main); the served name is kept.
+    pod = build(BASE)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
+    args, server = engine_parse(pod)
+    assert "--revision" not in pod["containers"][0]["args"] and args.revision is None
+    assert (args.model, server.served_model_name) == ("acme/llama-8b", "llama")
+    assert not any(e["name"] == "HF_TOKEN" for e in pod["containers"][0]["env"])
+
+
+def test_an_hf_cache_claim_is_shared_by_every_engine_pod() -> None:
+    """With spec.model.cache every engine pod of every pool mounts the claim read-write at
+    /models, where the engine's --download-dir is; the router does not mount it."""
+    spec = BASE | {"model": {"uri": "hf://acme/llama-8b", "cache": {"claimName": "hub-cache"}}}
+    children = build(spec)
+    for name in ("llama-prefill", "llama-decode"):
+        pod = children[("Deployment", name)]["spec"]["template"]["spec"]
+        claim = {"name": "model", "persistentVolumeClaim": {"claimName": "hub-cache"}}
+        assert claim in pod["volumes"]
+        engine = pod["containers"][0]
+        (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": "/models"}
+        assert engine_parse(pod)[0].download_dir.startswith(mount["mountPath"] + "/")
+    aggregated = build(spec | {"mode": "aggregated"})[("Deployment", "llama-engine")]
+    assert claim in aggregated["spec"]["template"]["spec"]["volumes"]
+    router = children[("Deployment", "llama-router")]["spec"]["template"]["spec"]
+    assert all("persistentVolumeClaim" not in v for v in router["volumes"])
+
+
+def test_pvc_and_file_models_stay_where_they_are() -> None:
+    """pvc:// mounts the claim read-only at /models and passes the folder in it; file:// uses
+    the image's path as it is; neither gets --download-dir, HF_TOKEN or the hour to start."""
+    pvc = BASE | {"model": {"uri": "pvc://weights/llama-8b", "hfTokenSecret": {"name": "hf"}}}
     pod = build(pvc)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
     assert "initContainers" not in pod
     claim = {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
     assert claim in pod["volumes"]
-    assert flag(pod["containers"][0]["args"], "--model") == "/models/llama-8b"
+    engine = pod["containers"][0]
+    mount = {"name": "model", "mountPath": "/models", "readOnly": True}
+    assert mount in engine["volumeMounts"]
+    assert flag(engine["args"], "--model") == "/models/llama-8b"
+    assert not any(e["name"] == "HF_TOKEN" for e in engine["env"])
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 900
 
     local = BASE | {"model": {"uri": "file:///opt/llama"}}
     pod = build(local)[("Deployment", "llama-decode")]["spec"]["template"]["spec"]
@@ -258,6 +309,9 @@ def test_model_fetch_per_scheme() -> None:
     assert [v["name"] for v in pod["volumes"]] == ["tmp", "cache", "kv-secret"]
     assert "initContainers" not in pod
     assert flag(pod["containers"][0]["args"], "--model") == "/opt/llama"
+    for built in (pvc, local):
+        pod = build(built)[("Deployment", "llama-prefill")]["spec"]["template"]["spec"]
+        assert "--download-dir" not in pod["containers"][0]["args"]
 
 
 def test_router_children() -> None:

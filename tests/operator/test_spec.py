@@ -3,10 +3,12 @@ bad spec gets."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 
+from baton.engine.config import is_repo_id
 from baton.operator import crd
 from baton.operator.spec import parse_spec
 from baton.operator.validation import SpecError, defaulted_spec
@@ -21,6 +23,7 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
     assert spec.image_pull_policy == "IfNotPresent"
     assert spec.model.served_model_name == "acme/llama-8b"
     assert spec.model.hf_repo == "acme/llama-8b" and spec.model.revision is None
+    assert spec.model.cache_claim is None
     assert spec.engine.block_size == 16 and spec.engine.max_num_seqs == 256
     assert spec.engine.dtype == "auto" and spec.engine.enable_prefix_caching is True
     assert spec.engine.max_model_len is None and spec.engine.max_num_batched_tokens is None
@@ -41,6 +44,7 @@ def test_every_field_is_read() -> None:
             "uri": "hf://acme/llama@v2",
             "servedModelName": "llama",
             "hfTokenSecret": {"name": "hf", "key": "token"},
+            "cache": {"claimName": "hub-cache"},
         },
         "image": "baton:2",
         "imagePullPolicy": "Always",
@@ -75,6 +79,7 @@ def test_every_field_is_read() -> None:
     spec = parse_spec(raw)
     assert spec.model.revision == "v2" and spec.model.served_model_name == "llama"
     assert spec.model.hf_token_secret == ("hf", "token")
+    assert spec.model.cache_claim == "hub-cache"
     assert (spec.image, spec.image_pull_policy) == ("baton:2", "Always")
     e = spec.engine
     assert (e.max_model_len, e.block_size, e.max_num_seqs) == (8192, 32, 64)
@@ -158,6 +163,45 @@ def test_model_uri_schemes(uri: str, scheme: str, served: str, path: str) -> Non
             "spec.engine.extraArgs",
         ),
         ({"model": {"uri": "pvc://c/$(POD_IP)"}}, "EnvironmentExpansion", "spec.model.uri"),
+        # A repo id the engine would take for a path, not a repo.
+        ({"model": {"uri": "hf://acme/llama 8b"}}, "InvalidModelURI", "hf://org/name"),
+        ({"model": {"uri": "hf://acme/llama\n"}}, "InvalidModelURI", "hf://org/name"),
+        ({"model": {"uri": "hf://-acme/llama"}}, "InvalidModelURI", "hf://org/name"),
+        (
+            {"model": {"uri": "pvc://Weights_1/llama"}},
+            "InvalidModelURI",
+            "the claim 'Weights_1' is not a PersistentVolumeClaim name",
+        ),
+        (
+            {"model": {"uri": "hf://a/b", "cache": {"claimName": "Hub_Cache"}}},
+            "InvalidModelCache",
+            "spec.model.cache.claimName 'Hub_Cache' is not a PersistentVolumeClaim name",
+        ),
+        (
+            {"model": {"uri": "hf://a/b", "cache": {"claimName": "hub-"}}},
+            "InvalidModelCache",
+            "is not a PersistentVolumeClaim name",
+        ),
+        (
+            {"model": {"uri": "hf://a/b", "cache": {"claimName": "c" * 254}}},
+            "InvalidModelCache",
+            "at most 253",
+        ),
+        (
+            {"model": {"uri": "hf://a/b", "cache": {"claimName": ""}}},
+            "InvalidSpec",
+            "spec.model.cache.claimName must not be empty",
+        ),
+        (
+            {"model": {"uri": "hf://a/b", "cache": {}}},
+            "InvalidSpec",
+            "spec.model.cache.claimName is required",
+        ),
+        (
+            {"model": {"uri": "pvc://weights/llama", "cache": {"claimName": "hub"}}},
+            "InvalidModelCache",
+            "a pvc:// model is read where it is",
+        ),
     ],
 )
 def test_bad_specs_name_a_reason(change: dict[str, Any], reason: str, fragment: str) -> None:
@@ -166,6 +210,27 @@ def test_bad_specs_name_a_reason(change: dict[str, Any], reason: str, fragment: 
         parse_spec(MINIMAL | change)
     assert info.value.reason == reason
     assert fragment in info.value.message
+
+
+@pytest.mark.parametrize(
+    "repo", ["acme/llama-8b", "Qwen/Qwen2.5-0.5B-Instruct", "meta-llama/Llama-3.1-8B", "a/b_c"]
+)
+def test_hf_repo_ids_the_engine_takes(repo: str) -> None:
+    """Every hf:// repo id the operator accepts is one the engine reads as a repo id (not as a
+    path), and the served name defaults to it."""
+    model = parse_spec({"model": {"uri": f"hf://{repo}@main"}, "image": "x"}).model
+    assert (model.hf_repo, model.revision, model.served_model_name) == (repo, "main", repo)
+    assert is_repo_id(repo)
+
+
+@pytest.mark.parametrize("claim", ["hub", "model-cache", "cache.v2", "a" * 253])
+def test_cache_claim_names(claim: str) -> None:
+    """PersistentVolumeClaim names (DNS-1123 subdomains, up to 253 characters) are taken, and
+    the CRD's pattern says the same."""
+    model = {"uri": "hf://acme/llama-8b", "cache": {"claimName": claim}}
+    assert parse_spec(MINIMAL | {"model": model}).model.cache_claim == claim
+    schema = crd.SPEC["properties"]["model"]["properties"]["cache"]["properties"]["claimName"]
+    assert re.fullmatch(schema["pattern"], claim) and len(claim) <= schema["maxLength"]
 
 
 def test_default_image_fills_a_missing_image() -> None:

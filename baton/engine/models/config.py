@@ -15,6 +15,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Gemma2ForCausalLM": (False, False),
+    "MixtralForCausalLM": (False, False),
+    "Qwen3MoeForCausalLM": (False, True),
 }
 
 _DTYPES = {
@@ -56,6 +59,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     dtype: torch.dtype
     sliding_window: int | None
+    # sliding windows and Gemma 2
+    # Per layer: a query at position p attends keys at positions > p - window (None: all).
+    layer_windows: tuple[int | None, ...] = ()
+    query_pre_attn_scalar: float | None = None  # the softmax scale is its -0.5th power
+    attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None
+    hidden_activation: str = "silu"
+    # mixture of experts (Mixtral, Qwen3-MoE); a dense model keeps the defaults
+    num_experts: int = 0  # routed experts in each MoE layer
+    num_experts_per_tok: int = 0  # top-k: experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block; the others are dense
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -90,8 +110,11 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        qwen_windowed = arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM")
+        if qwen_windowed and not cfg.get("use_sliding_window", False):
             sliding = None
+        num_layers = cfg["num_hidden_layers"]
+        windows = _layer_windows(arch, cfg, sliding, num_layers)
         return cls(
             path=path,
             architecture=arch,
@@ -112,4 +135,62 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             dtype=parse_dtype(str(dtype_name)),
             sliding_window=sliding,
+            layer_windows=windows,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            **_moe_fields(arch, cfg),
         )
+
+
+def _layer_windows(
+    arch: str, cfg: dict[str, Any], sliding: int | None, num_layers: int
+) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers applies it: `layer_types` where the config
+    has them, else every layer (Mistral), the layers from `max_window_layers` on (Qwen2), or
+    every other layer from the first (Gemma 2)."""
+    if sliding is None:
+        return (None,) * num_layers
+    # Mistral's modeling code ignores layer_types: every layer slides.
+    types = None if arch == "MistralForCausalLM" else cfg.get("layer_types")
+    if types is None:
+        if arch == "Gemma2ForCausalLM":
+            types = ["sliding_attention" if i % 2 == 0 else "full" for i in range(num_layers)]
+        elif arch == "Qwen2ForCausalLM":
+            first = cfg.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= first else "full" for i in range(num_layers)]
+        else:
+            types = ["sliding_attention"] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(int(sliding) if t == "sliding_attention" else None for t in types)
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields, as transformers reads them: every Mixtral layer is sparse
+    and renormalises its top-k weights; a Qwen3-MoE layer is sparse unless listed in
+    `mlp_only_layers` or off the `decoder_sparse_step` stride, and renormalises only with
+    `norm_topk_prob`."""
+    num_layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(
+            num_experts=cfg["num_local_experts"],
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+            moe_layers=tuple(range(num_layers)),
+        )
+    if arch == "Qwen3MoeForCausalLM":
+        num_experts = cfg.get("num_experts", 0)
+        step = cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = (i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["moe_intermediate_size"],
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            moe_layers=tuple(sparse) if num_experts > 0 else (),
+        )
+    return {}

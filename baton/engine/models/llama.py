@@ -4,11 +4,14 @@ One module for all four: they differ only in q/k/v bias (Qwen2), per-head q/k RM
 an explicit head_dim, tied embeddings, and rope settings, all read from `ModelConfig`.
 Projections are fused (q/k/v into one matmul, gate/up into another): fewer, larger kernels.
 Under tensor parallelism each module holds its rank's shard (see `tensor_parallel`).
+Mixtral and Qwen3-MoE are Mistral and Qwen3 with a mixture-of-experts MLP (see `moe`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,7 @@ from torch import nn
 
 from baton.engine.layers.attention import AttentionBackend, AttentionMetadata
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.moe import SparseMoeBlock
 from baton.engine.models.tensor_parallel import ShardLayout, TensorParallel, VocabParallelEmbedding
 
 
@@ -137,9 +141,28 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.view(n, self.q_size)))
 
 
+# The gate's activation by the config's name (`hidden_act`, Gemma's `hidden_activation`).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
 class MLP(nn.Module):
+    """Gated MLP (SwiGLU, or GeGLU for Gemma): gate/up fused into one column-parallel matmul,
+    down row-parallel, one all-reduce."""
+
     def __init__(self, config: ModelConfig, layout: ShardLayout, tp: TensorParallel) -> None:
         super().__init__()
+        act = ACTIVATIONS.get(config.hidden_activation)
+        if act is None:
+            raise ValueError(
+                f"unsupported activation {config.hidden_activation!r}; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
+        self.act = act
         self.tp = tp
         self.intermediate = layout.intermediate_size  # this rank's
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
@@ -147,7 +170,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.act(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -161,7 +184,12 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer, rotary, layout, tp)
-        self.mlp = MLP(config, layout, tp)
+        # Mixtral and Qwen3-MoE: the MoE block in `config.moe_layers`, the dense MLP elsewhere.
+        self.mlp: nn.Module = (
+            SparseMoeBlock(config, layout, tp)
+            if layer in config.moe_layers
+            else MLP(config, layout, tp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -178,6 +206,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # What a variant (Gemma 2) swaps in: its decoder layer and its final norm.
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+
     def __init__(
         self, config: ModelConfig, max_positions: int, tp: TensorParallel | None = None
     ) -> None:
@@ -188,9 +220,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary = RotaryEmbedding(config, max_positions)
         self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, rotary, layout, tp) for i in range(config.num_layers)
+            self.layer_class(config, i, rotary, layout, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         # Vocabulary-parallel: each rank scores its rows, `compute_logits` gathers them.
         self.lm_head = nn.Linear(config.hidden_size, layout.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:

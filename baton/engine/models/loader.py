@@ -16,7 +16,9 @@ import torch
 from safetensors import safe_open
 
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.gemma2 import Gemma2ForCausalLM
 from baton.engine.models.llama import LlamaForCausalLM
+from baton.engine.models.moe import load_expert_weight, per_expert_keys
 from baton.engine.models.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -44,12 +46,19 @@ def weight_files(path: Path) -> list[Path]:
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
+        files = sorted(path.glob("*.gguf"))[:1]  # a folder `gguf.prepare` wrote
+    if not files:
         raise FileNotFoundError(f"model folder {path} has no *.safetensors weights")
     return files
 
 
 def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in weight_files(path):
+        if file.suffix == ".gguf":
+            from baton.engine.models.gguf import iter_weights
+
+            yield from iter_weights(file)
+            continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 yield name, f.get_tensor(name)
@@ -64,8 +73,11 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Instantiates the model (this rank's shard of it) on `device` in `dtype` and loads every
     weight, or says what is off."""
+    model_class = (
+        Gemma2ForCausalLM if config.architecture == "Gemma2ForCausalLM" else LlamaForCausalLM
+    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions, tp)
+        model = model_class(config, max_positions, tp)
     layout = model.layout
     model = model.to_empty(device=device).to(dtype)
     if layout.vocab_start + layout.vocab_per_rank > config.vocab_size:
@@ -88,11 +100,16 @@ def load_model(
     loaded: set[str] = set()
     for hf_name, tensor in _iter_weights(config.path):
         name = _NAME.match(hf_name).group(1)  # type: ignore[union-attr]
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         tensor = layout.shard(name, tensor, config.head_dim)
+        expert_key = load_expert_weight(name, tensor, params, dtype)
+        if expert_key is not None:  # one expert's projection, into the stacked parameter
+            loaded.add(expert_key)
+            continue
         shard = None
         parts = name.split(".")
         for i, part in enumerate(parts):
@@ -126,6 +143,10 @@ def load_model(
             dst.copy_(tensor.to(dtype))
     expected: set[str] = set()
     for name in params:
+        per_expert = per_expert_keys(name, params[name])
+        if per_expert is not None and name not in loaded:  # stored expert by expert
+            expected.update(per_expert)
+            continue
         fused_into = next(
             (f for f in sizes if name.endswith(f"{f}.weight") or name.endswith(f"{f}.bias")), None
         )

@@ -57,6 +57,7 @@ class ShardLayout:
     vocab_start: int  # the first vocabulary row on this rank
     vocab_per_rank: int  # rows per rank; the last rank's shard is padded past vocab_size
     vocab_size: int  # the model's, unpadded
+    moe_intermediate_size: int = 0  # each expert's MLP columns on this rank (0: dense model)
 
     @classmethod
     def build(cls, config: ModelConfig, rank: int = 0, size: int = 1) -> ShardLayout:
@@ -83,6 +84,11 @@ class ShardLayout:
                     f"tensor_parallel_size {size}"
                 )
             local_kv, kv_start = 1, rank // (size // kv_heads)
+        if config.moe_intermediate_size % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} must divide the model's moe_intermediate_size "
+                f"{config.moe_intermediate_size}"
+            )
         per_rank = -(-config.vocab_size // size)
         return cls(
             rank=rank,
@@ -94,6 +100,7 @@ class ShardLayout:
             vocab_start=rank * per_rank,
             vocab_per_rank=per_rank,
             vocab_size=config.vocab_size,
+            moe_intermediate_size=config.moe_intermediate_size // size,
         )
 
     def shard(self, name: str, tensor: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -101,6 +108,8 @@ class ShardLayout:
         `model.` prefix); replicated weights (norms) come back whole."""
         if self.size == 1:
             return tensor
+        if ".experts." in name:
+            return self._shard_expert(name, tensor)
         module = name.rsplit(".", 2)[-2]  # "layers.0.self_attn.q_proj.weight" -> q_proj
         heads, kv_heads = self.num_heads * head_dim, self.num_kv_heads * head_dim
         mlp = self.intermediate_size
@@ -119,6 +128,25 @@ class ShardLayout:
         if module in ("embed_tokens", "lm_head"):
             end = min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
             return tensor.narrow(0, self.vocab_start, max(0, end - self.vocab_start))
+        return tensor
+
+    def _shard_expert(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Each expert's intermediate dimension splits like a dense MLP's: per-expert gate/up
+        (`w1`/`w3`) by rows, down (`w2`) by columns; transformers 5's stacked `gate_up_proj`
+        [experts, 2 * inter, hidden] in both halves, `down_proj` [experts, hidden, inter] by
+        its last dim."""
+        inter = self.moe_intermediate_size
+        start = self.rank * inter
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            return torch.cat((gate.narrow(1, start, inter), up.narrow(1, start, inter)), dim=1)
+        if name.endswith("experts.down_proj"):
+            return tensor.narrow(2, start, inter)
+        module = name.rsplit(".", 2)[-2]
+        if module in ("w1", "w3", "gate_proj", "up_proj"):
+            return tensor.narrow(0, start, inter)
+        if module in ("w2", "down_proj"):
+            return tensor.narrow(1, start, inter)
         return tensor
 
 

@@ -18,7 +18,7 @@ import pathlib
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# Mixture of experts: 4 experts, top-2, each expert half the dense MLP (so 2 active experts match
+# it); qwen3_moe keeps layer 0 dense (`mlp_only_layers`) and does not renormalise its top-2.
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
+# Gemma 2: sliding-window layers (even) alternating with global ones, soft-capped scores.
+GEMMA_ARCHITECTURES = ("gemma2",)
 SIZES = ("tiny", "small")
 
 BOS_TOKEN = "<|endoftext|>"
@@ -67,7 +72,11 @@ _ARCH_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
+_NUM_EXPERTS, _TOP_K = 4, 2
 
 # Init scales. The usual std of 0.02 gives near-uniform logits, so greedy decoding meets near-ties
 # and token-for-token comparisons against a reference become flaky. Here embed_tokens and lm_head
@@ -82,6 +91,11 @@ _ATTN_GAIN = 2.0
 _MLP_GAIN = 32.0
 _NORM_NOISE = 0.05
 _BIAS_STD = 0.1
+# Router logits with std ~2: clear top-k choices, and routing that differs from token to token.
+_ROUTER_STD = 2.0
+_GEMMA_QUERY_SCALAR = 24
+_GEMMA_ATTN_SOFTCAP = 2.0
+_GEMMA_POST_FF_GAIN = 32.0
 
 
 def write_tiny_model(
@@ -92,14 +106,17 @@ def write_tiny_model(
     *,
     rope_scaling: dict[str, Any] | None = None,
     num_key_value_heads: int | None = None,
+    sliding_window: int | None = None,
 ) -> pathlib.Path:
     """Write a random model folder for (arch, size, seed) to `path` and return it.
 
     `rope_scaling`, when given, is written verbatim into config.json; `num_key_value_heads`
-    overrides the size's (e.g. 1, fewer KV heads than tensor-parallel ranks).
+    overrides the size's (e.g. 1, fewer KV heads than tensor-parallel ranks);
+    `sliding_window` sets the window of mistral (every layer) or gemma2 (its sliding layers).
     """
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
+    known = ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES
+    if arch not in known:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {known}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     out = pathlib.Path(path)
@@ -112,6 +129,10 @@ def write_tiny_model(
                 f"num_attention_heads {config['num_attention_heads']}"
             )
         config["num_key_value_heads"] = num_key_value_heads
+    if sliding_window is not None:
+        if arch not in ("mistral", "gemma2"):
+            raise ValueError(f"sliding_window applies to mistral and gemma2, not {arch!r}")
+        config["sliding_window"] = sliding_window
     weights = _random_weights(config, arch, _torch_seed(seed, arch, size))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
@@ -127,7 +148,9 @@ def write_tiny_model(
 def add_args(parser: argparse.ArgumentParser) -> None:
     """`baton tiny-model PATH [--arch A] [--size S] [--seed N]`."""
     parser.add_argument("path")
-    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
+    parser.add_argument(
+        "--arch", choices=ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES, default="llama"
+    )
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -193,9 +216,81 @@ def _model_config(arch: str, size: str, rope_scaling: dict[str, Any] | None) -> 
         config["max_window_layers"] = config["num_hidden_layers"]
     if arch == "mistral":
         config["sliding_window"] = None
+    if arch in MOE_ARCHITECTURES:
+        _add_moe_config(config, arch, size)
+    if arch == "gemma2":
+        _add_gemma2_config(config)
     if rope_scaling is not None:
         config["rope_scaling"] = dict(rope_scaling)
     return config
+
+
+def _add_moe_config(config: dict[str, Any], arch: str, size: str) -> None:
+    expert_inter = _DIMS[size]["intermediate_size"] // _TOP_K
+    config.update(num_experts_per_tok=_TOP_K, rope_theta=1000000.0, tie_word_embeddings=False)
+    if arch == "mixtral":  # every layer sparse; intermediate_size is the expert's
+        config.update(
+            intermediate_size=expert_inter,
+            num_local_experts=_NUM_EXPERTS,
+            router_jitter_noise=0.0,
+            sliding_window=None,
+        )
+    else:
+        config.update(
+            head_dim=_QWEN3_HEAD_DIM[size],
+            attention_bias=False,
+            num_experts=_NUM_EXPERTS,
+            moe_intermediate_size=expert_inter,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
+
+
+def _add_gemma2_config(config: dict[str, Any]) -> None:
+    layers = config["num_hidden_layers"]
+    config.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        head_dim=config["hidden_size"] // config["num_attention_heads"],
+        tie_word_embeddings=True,
+        attention_bias=False,
+        # Unlike head_dim, so that a scale taken from head_dim shows; a small score cap, so
+        # that ignoring it shows too.
+        query_pre_attn_scalar=_GEMMA_QUERY_SCALAR,
+        attn_logit_softcapping=_GEMMA_ATTN_SOFTCAP,
+        final_logit_softcapping=30.0,
+        sliding_window=4096,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        pad_token_id=BOS_TOKEN_ID,
+    )
+
+
+def _to_gemma2(
+    w: dict[str, torch.Tensor], config: dict[str, Any], normal: Callable[..., torch.Tensor]
+) -> None:
+    """Llama's tiny weights made Gemma 2's: norm weights stored as offsets from 1, and the two
+    feed-forward norms; the one after the MLP amplifies, as `_MLP_GAIN` does for llama (Gemma's
+    post-norms would otherwise undo that gain)."""
+    hidden = config["hidden_size"]
+    for name in [n for n in w if n.endswith("norm.weight")]:
+        w[name] = w[name] - 1.0
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w[p + "pre_feedforward_layernorm.weight"] = normal(hidden, std=_NORM_NOISE)
+        w[p + "post_feedforward_layernorm.weight"] = (
+            _GEMMA_POST_FF_GAIN - 1.0 + normal(hidden, std=_NORM_NOISE)
+        )
+
+
+def _is_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    if "num_local_experts" in config:
+        return True
+    if "num_experts" not in config or layer in config["mlp_only_layers"]:
+        return False
+    return (layer + 1) % config["decoder_sparse_step"] == 0
 
 
 def _torch_seed(seed: int, arch: str, size: str) -> int:
@@ -230,19 +325,45 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
         w[p + "self_attn.o_proj.weight"] = normal(
             hidden, heads * head_dim, std=_ATTN_GAIN / math.sqrt(heads * head_dim)
         )
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if _is_moe_layer(config, i):
+            w.update(_expert_weights(config, p, normal))
+            continue
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=_MLP_GAIN / math.sqrt(inter))
     w["model.norm.weight"] = norm(hidden)
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(vocab, hidden, std=vocab_std)
+    if arch == "gemma2":
+        _to_gemma2(w, config, normal)
     return w
 
 
+def _expert_weights(
+    config: dict[str, Any], prefix: str, normal: Callable[..., torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The router and every expert, under the per-expert names checkpoints on the hub use
+    (transformers 5 stacks them on load)."""
+    hidden = config["hidden_size"]
+    mixtral = "num_local_experts" in config
+    block, names = ("block_sparse_moe", ("w1", "w3", "w2")) if mixtral else ("mlp", _QWEN_PROJ)
+    inter = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
+    num_experts = config["num_local_experts"] if mixtral else config["num_experts"]
+    p = f"{prefix}{block}."
+    w = {p + "gate.weight": normal(num_experts, hidden, std=_ROUTER_STD / math.sqrt(hidden))}
+    for e in range(num_experts):
+        gate, up, down = (f"{p}experts.{e}.{n}.weight" for n in names)
+        w[gate] = normal(inter, hidden, std=1 / math.sqrt(hidden))
+        w[up] = normal(inter, hidden, std=1 / math.sqrt(hidden))
+        w[down] = normal(hidden, inter, std=_MLP_GAIN / math.sqrt(inter))
+    return w
+
+
+_QWEN_PROJ = ("gate_proj", "up_proj", "down_proj")
 _ONSETS: tuple[str, ...] = ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s")
 _ONSETS += ("t", "v", "w", "st", "tr", "th", "ch", "sh", "pl", "gr", "br")
 _VOWELS = ("a", "e", "i", "o", "u", "ea", "ou", "ai", "io")

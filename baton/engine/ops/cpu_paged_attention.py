@@ -60,8 +60,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, ptr, i32]
+    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, ctypes.c_float, ptr, i32]
     fn.restype = None
     return lib
 
@@ -85,8 +85,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
     seq_lens: torch.Tensor,  # [batch] int32
     scale: float,
+    *,
+    starts: torch.Tensor | None = None,  # [batch] int32 first key attended (sliding window)
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
-    """One query token per request attending to its whole context in the paged cache."""
+    """One query token per request attending to its context in the paged cache: the keys at
+    positions `starts[b]..seq_lens[b] - 1` (all of them without `starts`); blocks wholly before
+    `starts[b]` are never read."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available (no C compiler?)")
@@ -104,6 +109,12 @@ def paged_decode_attention(
         raise ValueError("block_tables and seq_lens must have one row per query")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables rows must be contiguous")
+    if starts is not None:
+        if starts.dtype != torch.int32 or starts.shape != (batch,):
+            raise ValueError("starts must be int32 with one entry per query")
+        starts = starts.contiguous()
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
     q = q.contiguous()
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q)
@@ -116,12 +127,14 @@ def paged_decode_attention(
         block_tables.data_ptr(),
         block_tables.stride(0),
         seq_lens.data_ptr(),
+        None if starts is None else starts.data_ptr(),
         batch,
         num_heads,
         num_kv_heads,
         head_dim,
         block_size,
         scale,
+        softcap or 0.0,
         out.data_ptr(),
         torch.get_num_threads(),
     )
@@ -135,6 +148,9 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    *,
+    starts: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The same computation, one request at a time, in plain torch."""
     _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -148,5 +164,9 @@ def paged_decode_attention_reference(
         k = k.repeat_interleave(group, dim=1).float()  # [n, num_heads, head_dim]
         v = v.repeat_interleave(group, dim=1).float()
         scores = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if starts is not None:
+            scores[:, : int(starts[b])] = float("-inf")
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out

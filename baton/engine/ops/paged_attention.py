@@ -4,7 +4,10 @@ Queries are varlen: request ``b`` owns rows ``query_start_loc[b]:query_start_loc
 paged cache ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` already holds this
 step's K/V. Row ``i`` of a request with ``q_len`` rows sits at absolute position
 ``seq_lens[b] - q_len + i`` and attends to keys ``0..position``, which covers full prompts, chunked
-prefill, prefix-cache hits and decodes (``q_len == 1``) alike.
+prefill, prefix-cache hits and decodes (``q_len == 1``) alike. With a sliding ``window`` it attends
+keys ``position - window + 1..position`` only, and blocks wholly before the first row's window are
+never read (the KV cache manager may have given them back). With ``softcap`` each scaled score
+``s`` becomes ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2).
 
 Kernel design (after vLLM's unified Triton attention). A program owns one *q-block* (``BLOCK_Q``
 query tokens of one request times the ``num_heads // num_kv_heads`` query heads sharing one KV head,
@@ -61,7 +64,10 @@ def _paged_attention_kernel(
     layer,
     num_heads,
     head_dim,
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper)
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain (exp2 is cheaper);
+    # with SOFTCAP the softmax scale alone (the cap applies to natural-domain scores)
+    softcap,
+    window,  # read only with SLIDING
     stride_query_t,
     stride_query_h,
     stride_out_t,
@@ -80,6 +86,8 @@ def _paged_attention_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -125,8 +133,13 @@ def _paged_attention_kernel(
     # Causal: the q-block needs keys up to its last row's position. Split that range evenly.
     kv_len = context_start + tl.minimum((q_block_local + 1) * BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_start = split * tiles_per_split
+    # With a window, keys before the first row's window are neither read nor split over.
+    kv_first = 0
+    if SLIDING:
+        kv_first = tl.maximum(context_start + q_block_local * BLOCK_Q - window + 1, 0)
+    first_tile = kv_first // TILE_N
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # [BLOCK_M] running max
@@ -137,7 +150,7 @@ def _paged_attention_kernel(
     block_table_ptr = block_tables_ptr + req.to(tl.int64) * stride_block_tables
     for tile in range(tile_start, tile_end):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] key positions
-        n_valid = offs_n < kv_len  # [TILE_N]
+        n_valid = (offs_n < kv_len) & (offs_n >= kv_first)  # [TILE_N]
         block_ids = tl.load(block_table_ptr + offs_n // BLOCK_SIZE, mask=n_valid, other=0)
         kv_offs = (
             block_ids.to(tl.int64) * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot
@@ -154,7 +167,15 @@ def _paged_attention_kernel(
         )  # [TILE_N, HEAD_DIM_PADDED]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if SOFTCAP:
+            # tanh from exp (stable for any sign): tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|)
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(x < 0, -t, t) * 1.4426950408889634
         visible = (offs_n[None, :] <= row_pos[:, None]) & n_valid[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > row_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # A row may see no key yet (a later split, or a prompt row before this tile): keep its
@@ -215,7 +236,7 @@ def _paged_attention_reduce_kernel(
 
     m = tl.load(partial_max_ptr + stat, mask=s_valid, other=float("-inf"))  # [SPLITS_PADDED]
     sums = tl.load(partial_sum_ptr + stat, mask=s_valid, other=0.0)  # [SPLITS_PADDED]
-    # Split 0 always holds key 0, which every row sees, so m_max is finite and empty splits
+    # Every row sees its own key, in some split, so m_max is finite and empty splits
     # (m == -inf) get weight 0.
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - m_max)  # [SPLITS_PADDED]
@@ -351,6 +372,13 @@ def _check_inputs(
             raise ValueError(f"out must be contiguous in head_dim, got strides {out.stride()}")
 
 
+def _check_window(window: int | None, softcap: float | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0, got {softcap}")
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
@@ -364,6 +392,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     *,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's query rows over its paged context; returns ``out``.
 
@@ -399,6 +429,7 @@ def paged_attention(
         )
     elif num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_window(window, softcap)
 
     if num_splits > 1:
         partial_out = torch.empty(
@@ -425,7 +456,9 @@ def paged_attention(
         layer,
         num_heads,
         head_dim,
-        float(scale) * _LOG2_E,
+        float(scale) if softcap is not None else float(scale) * _LOG2_E,
+        float(softcap or 1.0),
+        int(window or 0),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -445,6 +478,8 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         # fp32 is the precise debugging dtype: no tf32 rounding inside tl.dot.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SLIDING=window is not None,
+        SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
     )
     if num_splits > 1:
@@ -477,6 +512,9 @@ def paged_attention_reference(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Torch version of :func:`paged_attention`: gathers each request's K/V, softmax in fp32.
 
@@ -484,6 +522,7 @@ def paged_attention_reference(
     The two hints are accepted for signature parity and ignored.
     """
     _check_inputs(query, kv_cache, layer, query_start_loc, seq_lens, block_tables, out)
+    _check_window(window, softcap)
     if out is None:
         out = torch.empty_like(query)
     _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -513,9 +552,14 @@ def paged_attention_reference(
         v = v.repeat_interleave(num_queries_per_kv, dim=1)
         q = query[start:end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from baton.engine.layers.attention import AttentionMetadata, make_attention_backend
+from baton.engine.layers.attention import (
+    AttentionMetadata,
+    AttentionSpec,
+    make_attention_backend,
+)
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.loader import load_model
 from baton.engine.models.tensor_parallel import TensorParallel
@@ -140,6 +144,14 @@ class PendingOutput:
         return output
 
 
+def attention_specs(config: ModelConfig) -> list[AttentionSpec]:
+    """How each layer of the model attends: its scale, sliding window and soft-capping."""
+    windows = config.layer_windows or (None,) * config.num_layers
+    return [
+        AttentionSpec(config.attention_scale, w, config.attn_logit_softcapping) for w in windows
+    ]
+
+
 class ModelRunner:
     """Runs the model (one tensor-parallel rank's shard of it) over its paged KV cache.
 
@@ -157,7 +169,7 @@ class ModelRunner:
         self.model = load_model(model_config, config.dtype, config.device, config.max_model_len, tp)
         self.num_kv_heads = self.model.layout.num_kv_heads  # this rank's shard of the cache
         self.attn = make_attention_backend(
-            config.attention_backend, config.block_size, model_config.head_dim**-0.5
+            config.attention_backend, config.block_size, attention_specs(model_config)
         )
         self.sampler = Sampler()
         # Generators live where the logits are: the sampler draws its noise there.

@@ -1,0 +1,400 @@
+"""GGUF checkpoints (llama.cpp's one-file format) as Baton loads them.
+
+A GGUF file holds the model's hyperparameters, its tokenizer and chat template as metadata, and
+its weights, most of them quantized. `prepare` turns the metadata into a small Hugging Face
+folder in a cache (config.json, generation_config.json, tokenizer.json, tokenizer_config.json
+and a link to the file), so that everything that reads a model folder (ModelConfig, the
+tokenizer, the compatibility fingerprint) reads this one unchanged; `iter_weights` then reads
+the weights from the file itself, dequantized to float32 by the `gguf` package and renamed to
+Hugging Face's names, with llama.cpp's reordering of Llama's q/k rows undone.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` -> (Hugging Face architecture, llama.cpp permuted q/k rows)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+# ggml tensor types dequantized (by gguf.quants.dequantize); checked in tests/engine/models.
+SUPPORTED_QUANT_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+# llama.cpp's `tokenizer.ggml.pre` -> the regex that splits text before byte-level BPE; None:
+# GPT-2's own split (ByteLevel's regex). "digits": each digit alone, then GPT-2's split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_PRE_TOKENIZERS: dict[str, str | None] = {
+    "default": None,
+    "gpt2": None,
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "llama3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Bumped whenever what `prepare` writes changes, so that older prepared folders are not reused.
+_PREPARED_FORMAT = 1
+_TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
+
+
+def cache_root() -> Path:
+    """Where prepared folders live: `$BATON_CACHE_DIR/gguf`, else `~/.cache/baton/gguf`."""
+    env = os.environ.get("BATON_CACHE_DIR")
+    return (Path(env) if env else Path.home() / ".cache" / "baton") / "gguf"
+
+
+def gguf_file_of(folder: Path) -> Path | None:
+    """The GGUF file a folder stands for: its only *.gguf where it has no config.json and no
+    safetensors; None for any other folder. Several GGUF files are an error naming them."""
+    if (folder / "config.json").exists() or any(folder.glob("*.safetensors")):
+        return None
+    files = sorted(folder.glob("*.gguf"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"model folder {folder} holds several GGUF files ({names}); pass one")
+    return files[0] if files else None
+
+
+def prepare(file: Path, root: Path | None = None) -> Path:
+    """The Hugging Face folder for GGUF `file`, written on first use under `root` (default
+    `cache_root()`), keyed by the file's path, size and modification time. The folder's name is
+    the file's stem (the default served model name). Unsupported files fail here, before any
+    engine starts."""
+    file = file.resolve()
+    st = file.stat()
+    key = hashlib.blake2b(
+        f"{_PREPARED_FORMAT}\0{file}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=8
+    ).hexdigest()
+    final = (root or cache_root()) / key / file.stem
+    if (final / "config.json").is_file():
+        return final
+    reader = _reader(file)
+    meta = _metadata(reader)
+    config = hf_config(meta, reader)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare.", dir=final.parent))
+    try:
+        _write_json(tmp / "config.json", config)
+        generation: dict[str, Any] = {
+            k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config
+        }
+        _write_json(tmp / "generation_config.json", generation)
+        (tmp / "tokenizer.json").write_text(tokenizer_json(meta), encoding="utf-8")
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
+        (tmp / file.name).symlink_to(file)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("GGUF %s prepared as the model folder %s", file, final)
+    return final
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(file: str, size: int, mtime_ns: int) -> GGUFReader:
+    from gguf import GGUFReader
+
+    return GGUFReader(file)
+
+
+def _reader(file: Path) -> GGUFReader:
+    """The file parsed once per process (parsing a vocabulary's metadata takes seconds)."""
+    st = file.stat()
+    return _cached_reader(str(file.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {name: field.contents() for name, field in reader.fields.items()}
+
+
+def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
+    """config.json's contents for the file's metadata; ValueError for what Baton cannot run."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    _check_tensor_types(reader)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    config: dict[str, Any] = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch][0]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(get("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "vocab_size": int(get("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "hidden_act": "silu",
+        "torch_dtype": _dtype_of(reader),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only linear)")
+        config["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(get("rope.scaling.factor")),
+        }
+    for key in ("bos_token_id", "eos_token_id"):
+        if f"tokenizer.ggml.{key}" in meta:
+            config[key] = int(meta[f"tokenizer.ggml.{key}"])
+    return config
+
+
+def _dtype_of(reader: GGUFReader) -> str:
+    """The engine dtype `auto` picks: the file's own for F16/BF16 files, else float32 (a
+    dequantized block is exact in float32)."""
+    types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    return (
+        {"F16": "float16", "BF16": "bfloat16"}.get(types.pop(), "float32")
+        if len(types) == 1
+        else "float32"
+    )
+
+
+def _check_tensor_types(reader: GGUFReader) -> None:
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_QUANT_TYPES))
+    if bad:
+        raise ValueError(
+            f"unsupported GGUF quantization type(s) {', '.join(bad)}; supported: "
+            f"{', '.join(SUPPORTED_QUANT_TYPES)}"
+        )
+
+
+def iter_weights(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of GGUF `file` as (Hugging Face name, float32 tensor)."""
+    from gguf.quants import dequantize
+
+    reader = _reader(file)
+    meta = _metadata_scalars(reader)
+    arch = meta["general.architecture"]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    _check_tensor_types(reader)
+    permuted = SUPPORTED_ARCHITECTURES[arch][1]
+    heads = int(meta[f"{arch}.attention.head_count"])
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml lists dims fastest first
+        array = dequantize(t.data, t.tensor_type).reshape(shape)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            array = unpermute_rows(array, heads if "q_proj" in name else kv_heads)
+        yield name, torch.from_numpy(np.array(array, dtype=np.float32))
+
+
+def _metadata_scalars(reader: GGUFReader) -> dict[str, Any]:
+    """The metadata less its arrays (the vocabulary), which are slow to read."""
+    from gguf import GGUFValueType
+
+    return {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if field.types and field.types[0] != GGUFValueType.ARRAY
+    }
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`); ValueError for one Baton does not know."""
+    m = _TENSOR.match(name)
+    table = _LAYER_NAMES if m and m.group(1) is not None else _GLOBAL_NAMES
+    if m is None or m.group(2) not in table:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    layer, part, kind = m.groups()
+    prefix = "" if layer is None else f"model.layers.{layer}."
+    return f"{prefix}{table[part]}.{kind}"
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's row order for Llama's q/k projections: within each head it stores
+    the rotary pairs interleaved (0, half, 1, half+1, ...) where Hugging Face stores the two
+    halves one after the other."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def weights_identity_update(h: Any, file: Path) -> None:
+    """Feeds `h` (a hashlib hash) the file's metadata and tensor table (all bytes before the
+    tensor data) and 64 bytes at the start, middle and end of every tensor, as
+    `compatibility.weights_identity` does for safetensors."""
+    reader = _reader(file)
+    with open(file, "rb") as f:
+        h.update(file.name.encode() + b"\0" + f.read(reader.data_offset))
+        fd = f.fileno()
+        for t in sorted(reader.tensors, key=lambda t: t.name):
+            size = int(t.n_bytes)
+            for at in (0, max(0, size // 2 - 32), max(0, size - 64)):
+                h.update(os.pread(fd, min(64, size), int(t.data_offset) + at))
+
+
+# ---- the tokenizer ---------------------------------------------------------------------------
+
+
+@functools.cache
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies spell in."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def tokenizer_json(meta: dict[str, Any]) -> str:
+    """tokenizer.json for the file's vocabulary; ValueError for a kind Baton cannot build."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {kind!r}; supported: gpt2 (byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(_PRE_TOKENIZERS)}"
+        )
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i
+        for i, t in enumerate(tokens)
+    }
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    split = _PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=split in (None, "digits")
+    )
+    if split is None:
+        tokenizer.pre_tokenizer = byte_level
+    elif split == "digits":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.decoder = decoders.ByteLevel()
+    # Control tokens are matched whole and are special; one spelled outside the byte alphabet
+    # is a mislabel in the file (it is not in the vocabulary as written) and is left out.
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind_ in zip(tokens, types, strict=True)
+            if kind_ == _CONTROL and set(t) <= alphabet
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind_ in zip(tokens, types, strict=True)
+            if kind_ == _USER_DEFINED and t in vocab
+        ]
+    )
+    return str(tokenizer.to_str())
+
+
+def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer_config.json: the special tokens, BOS/EOS framing and the chat template."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    config: dict[str, Any] = {
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+    }
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            config[name] = tokens[int(token_id)]
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

