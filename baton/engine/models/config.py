@@ -110,7 +110,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         sliding = cfg.get("sliding_window")
-        qwen_windowed = arch in ("Qwen2ForCausalLM", "Qwen3MoeForCausalLM")
+        # Qwen's configs ignore `sliding_window` unless `use_sliding_window` (transformers too).
+        qwen_windowed = arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         if qwen_windowed and not cfg.get("use_sliding_window", False):
             sliding = None
         num_layers = cfg["num_hidden_layers"]
@@ -148,16 +149,17 @@ def _layer_windows(
     arch: str, cfg: dict[str, Any], sliding: int | None, num_layers: int
 ) -> tuple[int | None, ...]:
     """Each layer's sliding window as transformers applies it: `layer_types` where the config
-    has them, else every layer (Mistral), the layers from `max_window_layers` on (Qwen2), or
-    every other layer from the first (Gemma 2)."""
+    has them (Qwen2, Qwen3, Gemma 2), else the layers from `max_window_layers` on (Qwen2, Qwen3),
+    every other layer from the first (Gemma 2), or every layer (Mistral, Mixtral, Qwen3-MoE)."""
     if sliding is None:
         return (None,) * num_layers
-    # Mistral's modeling code ignores layer_types: every layer slides.
-    types = None if arch == "MistralForCausalLM" else cfg.get("layer_types")
+    # These families' modeling code ignores layer_types: every layer slides.
+    every_layer = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+    types = None if arch in every_layer else cfg.get("layer_types")
     if types is None:
         if arch == "Gemma2ForCausalLM":
             types = ["sliding_attention" if i % 2 == 0 else "full" for i in range(num_layers)]
-        elif arch == "Qwen2ForCausalLM":
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             first = cfg.get("max_window_layers", num_layers)
             types = ["sliding_attention" if i >= first else "full" for i in range(num_layers)]
         else:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +80,13 @@ def write_gguf(
     *,
     arch: str = "llama",
     rng: np.random.Generator | None = None,
+    add_tokenizer: Callable[[Any], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Writes HF model `folder` as a llama GGUF file with its matrices in `qtype` (norms in F32),
     and returns every weight as the gguf package dequantizes it, in Hugging Face's names and
-    row order: what the loader must yield. K-quants get random blocks (`rng`), embeddings F32."""
+    row order: what the loader must yield. K-quants get random blocks (`rng`), embeddings F32.
+    The tokenizer is the folder's (byte-level BPE), unless `add_tokenizer(writer)` writes one."""
     config = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
     weights = {
         k: v.float().numpy() for k, v in load_file(str(folder / "model.safetensors")).items()
     }
@@ -99,18 +102,10 @@ def write_gguf(
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(config["hidden_size"] // heads)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(config["bos_token_id"])
-    w.add_eos_token_id(config["eos_token_id"])
-    w.add_add_bos_token(False)
-    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
-    w.add_chat_template(template)
+    if add_tokenizer is None:
+        _add_byte_level_tokenizer(w, folder, config)
+    else:
+        add_tokenizer(w)
     expected = {}
     for name, value in weights.items():
         kind = qtype if value.ndim == 2 else "F32"
@@ -134,6 +129,22 @@ def write_gguf(
     return expected
 
 
+def _add_byte_level_tokenizer(w: Any, folder: Path, config: dict[str, Any]) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+    w.add_add_bos_token(False)
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    w.add_chat_template(template)
+
+
 def _random_k_blocks(value: np.ndarray, kind: str, rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks for a matrix of `value`'s shape, scaled to about its magnitude."""
     block, size = gguf.GGML_QUANT_SIZES[Q[kind]]
@@ -147,11 +158,17 @@ def _random_k_blocks(value: np.ndarray, kind: str, rng: np.random.Generator) -> 
 
 def _k_model(tmp_path: Path) -> Path:
     """A llama model folder with the tiny tokenizer and 256-wide rows (written from tiny's)."""
+    return _llama_model(tmp_path, **K_DIMS)
+
+
+def _llama_model(tmp_path: Path, **dims: int) -> Path:
+    """A random llama model folder: tiny's config and tokenizer, `dims` changed in the config,
+    and embeddings large enough that greedy picks are rarely near-ties."""
     from baton.engine.models.tiny import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "src", "llama")
     config = json.loads((folder / "config.json").read_text())
-    config.update(K_DIMS)
+    config.update(dims)
     (folder / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -292,6 +309,135 @@ def test_unsupported_quant_type_or_architecture_is_a_clear_error(tmp_path):
     _write_raw(tmp_path / "gemma.gguf", "gemma", Q.F32)
     with pytest.raises(ValueError, match=r"unsupported GGUF architecture 'gemma'; .*llama"):
         resolve_model(str(tmp_path / "gemma.gguf"))
+
+
+# ---- a SentencePiece-style (`llama`) vocabulary, as Llama 2 and Mistral files have ----------
+
+SPIECE_CONTROL = ("[INST]", "[/INST]")  # control tokens: special, matched whole
+SPIECE_USER_DEFINED = ("<tool>",)  # matched whole, not special
+SPIECE_TEXTS = (
+    "The relay team passed a baton.",
+    " leading space",
+    "  two   inner    spaces ",
+    "Crème brûlée, naïve café, Straße!",
+    "emoji 🙂🚀 and 中文 and {~} and tabs\tand",
+    "new\nlines\n\nand\r\nmore\n",
+    "<s>[INST] the relay [/INST] runners</s>",
+    "[INST]lap[/INST] <tool>team <tool> x",
+    "",
+)
+
+
+def _spiece_gguf(tmp_path: Path) -> Path:
+    """A tiny random Llama GGUF file (Q8_0) with a Llama-2-style vocabulary written as llama.cpp
+    writes one: spiece_folder's SentencePiece-style BPE (<unk>, <s>, </s>, 256 <0xNN> byte
+    tokens, "▁" pieces), then control and user-defined tokens; scores instead of merges (a
+    merged piece scores -id: the earlier learned, the higher), token types, no add_bos flag
+    (BOS is the default) and a chat template."""
+    from tests.engine.tokenizer_folders import SPIECE_TEMPLATE, spiece_folder
+
+    tok = json.loads((spiece_folder(tmp_path) / "tokenizer.json").read_text())
+    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    tokens += [*SPIECE_CONTROL, *SPIECE_USER_DEFINED]
+    byte = re.compile(r"^<0x[0-9A-F]{2}>$")
+    types = [
+        2 if t == "<unk>"
+        else 3 if t in ("<s>", "</s>", *SPIECE_CONTROL)
+        else 4 if t in SPIECE_USER_DEFINED
+        else 6 if byte.match(t)
+        else 1
+        for t in tokens
+    ]  # fmt: skip
+
+    def add_tokenizer(w: Any) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores([-float(i) if k == 1 else 0.0 for i, k in enumerate(types)])
+        w.add_token_types(types)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(SPIECE_TEMPLATE)
+
+    folder = _llama_model(tmp_path, vocab_size=len(tokens))
+    file = tmp_path / "gguf" / "spiece.gguf"
+    file.parent.mkdir()
+    write_gguf(folder, file, "Q8_0", add_tokenizer=add_tokenizer)
+    return file
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    """From a `llama`-kind GGUF vocabulary, Baton's tokenizer gives the ids transformers'
+    tokenizer from the same file gives (BOS added, "▁" spaces, byte fallback for characters
+    outside the vocabulary, control and user-defined tokens whole), decodes the same, and
+    renders the chat template the same."""
+    from transformers import AutoTokenizer
+
+    from baton.engine.models import gguf as baton_gguf
+    from baton.tokenizer import load_tokenizer
+
+    file = _spiece_gguf(tmp_path)
+    ours = load_tokenizer(baton_gguf.prepare(file, tmp_path / "cache"))
+    theirs = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    for text in SPIECE_TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == theirs.encode(text, add_special_tokens=special), (text, special)
+            for skip in (False, True):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                    ids, skip_special_tokens=skip
+                ), (text, skip)
+        # Texts round-trip unless they hold special tokens or start with a space: a text's
+        # own first space stands in for the prefix "▁" (transformers' Metaspace), so the
+        # decoder's strip takes it.
+        if "<s>" not in text and not text.startswith(" "):
+            assert ours.decode(ours.encode(text, add_special_tokens=False)) == text
+    # The merges derived from the scores are transformers' own, in its order (ties included).
+    merges = [
+        json.loads(b.to_str())["model"]["merges"] for b in (ours.backend, theirs.backend_tokenizer)
+    ]
+    assert merges[0] == merges[1] and len(merges[0]) >= 200
+    # What the comparison covers: BOS first, bytes for what the vocabulary lacks, whole tokens.
+    assert ours.encode("runners")[0] == 1
+    bytes_of = [i for i in ours.encode("🙂", add_special_tokens=False) if 3 <= i < 259]
+    assert len(bytes_of) == 4
+    assert ours.convert_ids_to_tokens(ours.encode("[INST] <tool>", add_special_tokens=False)) == [
+        "[INST]",
+        "▁",
+        "<tool>",
+    ]
+    messages = [{"role": "user", "content": "the team"}]
+    rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours.encode(rendered, add_special_tokens=False) == theirs.encode(
+        rendered, add_special_tokens=False
+    )
+
+
+def test_sentencepiece_gguf_greedy_matches_transformers(tmp_path):
+    """`LLM(model=file.gguf)` with a SentencePiece-style vocabulary, given text prompts,
+    tokenizes them as transformers does and generates, token for token, what transformers
+    generates loading the same file."""
+    from transformers import AutoTokenizer
+
+    from baton import LLM, SamplingParams
+
+    file = _spiece_gguf(tmp_path)
+    _save_transformers_gguf_load(file, tmp_path / "hf")
+    theirs = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    llm = LLM(model=str(file), max_model_len=256, dtype="float32")
+    prompts = ["The relay team passed", "[INST] naïve 🙂 café [/INST]"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    compared = 0
+    for text, o in zip(prompts, outputs, strict=True):
+        assert list(o.prompt_token_ids) == theirs.encode(text), text
+        compared += assert_greedy_matches(
+            tmp_path / "hf", list(o.prompt_token_ids), list(o.outputs[0].token_ids)
+        )
+    assert compared >= 12
 
 
 # ---- SmolLM2-135M-Instruct, the default model ------------------------------------------------
