@@ -10,6 +10,10 @@ socket over one already-open connection). Also reports the cost of the checksum 
 beside zlib's crc32.
 Aim (issue 4): TCP >= 0.8x the raw socket for transfers of 1 MiB and more.
 
+A third table times TCP staged through host buffers (``--kv-staging always``: the path a KV cache
+in device memory takes, here with host memory on both sides) against the direct TCP path, warm,
+at 1, 16 and 64 MiB, interleaved in the same run, as a ratio (issue 16).
+
 Where a NIXL package imports, a second table times ``NixlTransport.read`` (side-channel lookup,
 one READ of the coalesced regions, the checksum of every received block, DONE) with the remote agent
 already known, beside the bare NIXL READ of the same bytes and the same memcpy, as ratios. UCX
@@ -45,6 +49,7 @@ from baton.kv_transfer.params import RemotePrefill
 from baton.kv_transfer.sockets import KVConnectionPool
 from baton.kv_transfer.tcp.reader import Lease, read_blocks
 from baton.kv_transfer.tcp.server import KVBlockServer
+from baton.kv_transfer.tcp.staging import StagingPool
 
 try:
     from baton.kv_transfer.nixl.transport import NixlTransport
@@ -58,6 +63,8 @@ SIZES = (1, 16, 256, 4096)
 # Repeats per size: enough transfers to be timed well, few enough to finish in well under a minute.
 REPEATS = {1: 300, 16: 200, 256: 30, 4096: 5}
 ENGINE = "bench-engine"
+STAGED_SIZES = (16, 256, 1024)  # 1, 16 and 64 MiB
+STAGED_REPEATS = {16: 100, 256: 20, 1024: 8}
 # The hand-off secret of this run, shared with the serving child through the environment.
 os.environ.setdefault(SECRET_ENV, new_secret())
 
@@ -77,6 +84,13 @@ def _child(port_q: Any, stop: Any) -> None:
             for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
                 srv.leases.lease(f"{mode}-{n}-{i}", list(range(n)), time.time() + 600)
     kv_port = srv.start()
+    staging = StagingPool(cache)
+    staged = KVBlockServer(cache, ENGINE, keys, staging=staging)
+    for n in STAGED_SIZES:
+        for i in range(STAGED_REPEATS[n] + 1):
+            srv.leases.lease(f"direct-{n}-{i}", list(range(n)), time.time() + 600)
+            staged.leases.lease(f"staged-{n}-{i}", list(range(n)), time.time() + 600)
+    staged_port = staged.start()
     raw = socket.create_server(("127.0.0.1", 0))
     raw.settimeout(0.1)
     nixl = None
@@ -87,7 +101,7 @@ def _child(port_q: Any, stop: Any) -> None:
             for i in range(REPEATS[n] + 1):
                 nixl.lease(f"nixl-{n}-{i}", list(range(n)), time.time() + 600)
     nixl_peer = (nixl_port, nixl.config.engine_id) if nixl is not None else None
-    port_q.put((kv_port, raw.getsockname()[1], nixl_peer))
+    port_q.put((kv_port, raw.getsockname()[1], nixl_peer, staged_port))
     flat = memoryview(cache.view(-1).view(torch.uint8).numpy().data)
     while not stop.is_set():
         try:
@@ -102,6 +116,8 @@ def _child(port_q: Any, stop: Any) -> None:
                 conn.recv(1)
     raw.close()
     srv.stop()
+    staged.stop()
+    staging.close()
     if nixl is not None:
         nixl.stop()
 
@@ -201,6 +217,45 @@ def measure(
     }
 
 
+def measure_staged(n: int, kv_port: int, staged_port: int, local: torch.Tensor) -> dict[str, Any]:
+    """Direct against staged TCP reads of n blocks, warm, alternating so that both see the same
+    machine state."""
+    nbytes = n * block_bytes(local)
+    ids = list(range(n))
+    keys = KeyRing.load()
+    staging = StagingPool(local)
+    times: dict[str, list[float]] = {"direct": [], "staged": []}
+    with KVConnectionPool() as pool:
+        for i in range(STAGED_REPEATS[n] + 1):
+            for kind, port in (("direct", kv_port), ("staged", staged_port)):
+                lease = Lease(
+                    "127.0.0.1", port, ENGINE, f"{kind}-{n}-{i}", keys, keys.signing_key_id
+                )
+                start = time.perf_counter()
+                res = read_blocks(
+                    lease,
+                    ids,
+                    local,
+                    ids,
+                    time.monotonic() + 30,
+                    pool=pool,
+                    staging=staging if kind == "staged" else None,
+                )
+                if not res.ok:
+                    raise RuntimeError(res.error)
+                if i:  # the first read of each is the warm-up
+                    times[kind].append(time.perf_counter() - start)
+    staging.close()
+    t_direct, t_staged = (sorted(t)[len(t) // 2] for t in (times["direct"], times["staged"]))
+    return {
+        "blocks": n,
+        "bytes": nbytes,
+        "direct_gbps": nbytes / t_direct / 1e9,
+        "staged_gbps": nbytes / t_staged / 1e9,
+        "staged_vs_direct": t_direct / t_staged,
+    }
+
+
 def measure_nixl(
     n: int, reader: Any, peer: tuple[int, str], local: torch.Tensor, src: torch.Tensor
 ) -> dict[str, Any]:
@@ -264,15 +319,18 @@ def main() -> None:
     child.start()
     rows: list[dict[str, Any]] = []
     nixl_rows: list[dict[str, Any]] = []
+    staged_rows: list[dict[str, Any]] = []
     reader = None
     try:
-        kv_port, raw_port, nixl_peer = port_q.get(timeout=60)
+        kv_port, raw_port, nixl_peer, staged_port = port_q.get(timeout=60)
         local = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         src = make_cache()
         flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
         for n in SIZES:
             for mode in ("cold", "warm"):
                 rows.append(measure(n, mode, kv_port, raw_port, local, src, flat))
+        for n in STAGED_SIZES:
+            staged_rows.append(measure_staged(n, kv_port, staged_port, local))
         if nixl_peer is not None:
             reader = NixlTransport(
                 KVTransferConfig(role="decode", transport="nixl"), KeyRing.load()
@@ -300,6 +358,13 @@ def main() -> None:
             f"{r['tcp_vs_memcpy']:>10.2f}"
         )
     print(f"checksum: xxh3 {cost['xxh3_gbps']:.2f} GB/s (zlib crc32 {cost['crc32_gbps']:.2f} GB/s)")
+    print("\nTCP staged through host buffers (both sides) against direct, warm")
+    print(f"{'blocks':>6} {'MiB':>8} {'direct GB/s':>11} {'staged GB/s':>11} {'staged/direct':>13}")
+    for r in staged_rows:
+        print(
+            f"{r['blocks']:>6} {r['bytes'] / 2**20:>8.3f} {r['direct_gbps']:>11.2f} "
+            f"{r['staged_gbps']:>11.2f} {r['staged_vs_direct']:>13.2f}"
+        )
     if nixl_rows:
         print(f"\nNIXL (UCX_TLS={os.environ.get('UCX_TLS', 'UCX default')})")
         print(
@@ -316,7 +381,7 @@ def main() -> None:
         print(f"\nNIXL left out: {NIXL_MISSING}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"rows": rows, "nixl_rows": nixl_rows, "checksum": cost}
+        out = {"rows": rows, "nixl_rows": nixl_rows, "staged_rows": staged_rows, "checksum": cost}
         args.json.write_text(json.dumps(out, indent=2))
 
 

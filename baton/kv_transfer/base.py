@@ -31,7 +31,11 @@ from baton.roles import ROLES, Role
 if TYPE_CHECKING:  # the contract names the tensor; importing it would load torch everywhere
     import torch
 
-TRANSPORTS = ("tcp", "nixl")
+# auto: NIXL where it imports and serves the KV cache's memory, else TCP (connector.py).
+TRANSPORTS = ("auto", "tcp", "nixl")
+# TCP's staging through host buffers (tcp/staging.py): auto stages a KV cache outside host memory
+# only; always stages a host cache too (CI runs the device path's logic on CPU that way).
+STAGING_MODES = ("auto", "always")
 
 
 class KVConnectorRole(enum.Enum):
@@ -46,7 +50,7 @@ class KVTransferConfig:
     """The engine's KV-transfer settings (flags ``--role``, ``--kv-*``)."""
 
     role: Role = "both"
-    transport: str = "tcp"
+    transport: str = "auto"
     host: str = "127.0.0.1"  # where the block server listens
     port: int = 0  # 0: a free port
     advertise_host: str | None = None  # what readers connect to; default: host
@@ -56,6 +60,7 @@ class KVTransferConfig:
     rank: int = 0  # the tensor-parallel rank whose KV shard this worker half serves
     # The hand-off secrets (keyring.py); None: $BATON_KV_SECRET, else the user's own file.
     secret_file: str | None = None
+    staging: str = "auto"  # STAGING_MODES: when TCP stages blocks through host buffers
     # New at every engine start, so that a reader never mistakes a restarted engine's memory
     # for the one it was told about.
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -65,6 +70,8 @@ class KVTransferConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.staging not in STAGING_MODES:
+            raise ValueError(f"kv staging must be one of {STAGING_MODES}, got {self.staging!r}")
         if self.load_failure_policy not in FAILURE_POLICIES:
             raise ValueError(
                 f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, "

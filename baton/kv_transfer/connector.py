@@ -1,5 +1,5 @@
 """The pull connector, Baton's one `KVConnectorBase`, over a TCP or NIXL transport (the worker
-half's choice)."""
+half's choice: `choose_transport`)."""
 
 from __future__ import annotations
 
@@ -38,16 +38,70 @@ _LOADER_THREADS = 4
 _RELEASE_TIMEOUT_S = 2.0
 
 
-def make_transport(config: KVTransferConfig, keys: KeyRing) -> KVTransport:
-    """The transport the config names. NIXL falls back to TCP, with a warning, when the `nixl`
-    package cannot be imported."""
-    if config.transport == "nixl":
-        try:
-            from baton.kv_transfer.nixl.transport import NixlTransport
+# The memory the NIXL transport registers, by the KV cache's device type (nixl/transport.py).
+NIXL_MEMORY = {"cpu": "DRAM", "cuda": "VRAM"}
+NIXL_INSTALL = "pip install 'baton[nixl]' (the nixl extra)"
 
-            return NixlTransport(config, keys)
-        except ImportError as exc:
-            logger.warning("NIXL is not available (%s); using the TCP transport", exc)
+
+class TransportUnavailableError(ValueError):
+    """The transport the config names cannot serve this engine: a bad config, so the engine
+    does not start."""
+
+
+def nixl_import_error() -> str | None:
+    """Why the NIXL transport cannot be imported here (None: it can)."""
+    try:
+        import baton.kv_transfer.nixl.transport  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
+
+
+def _unavailable(problem: str) -> TransportUnavailableError:
+    return TransportUnavailableError(
+        f"--kv-transport nixl: {problem}. Install NIXL with {NIXL_INSTALL}, or use "
+        "--kv-transport tcp (or auto, which takes NIXL only where it works)"
+    )
+
+
+def choose_transport(transport: str, device_type: str) -> tuple[str, str]:
+    """The transport an engine whose KV cache lives on `device_type` uses for `transport`
+    (auto, tcp or nixl), and why. An explicit nixl that cannot serve raises
+    `TransportUnavailableError`: it never becomes TCP behind the user's back."""
+    if transport == "tcp":
+        return "tcp", "--kv-transport tcp"
+    memory = NIXL_MEMORY.get(device_type)
+    problem: str | None
+    if memory is None:
+        problem = (
+            f"the NIXL transport registers host (DRAM) or CUDA (VRAM) memory, and this "
+            f"KV cache is on {device_type}"
+        )
+    else:
+        error = nixl_import_error()
+        problem = None if error is None else f"NIXL cannot be imported ({error})"
+    if transport == "nixl":
+        if problem is not None:
+            raise _unavailable(problem)
+        return "nixl", f"--kv-transport nixl, {memory} memory"
+    if transport != "auto":
+        raise ValueError(f"unknown kv transport {transport!r}")
+    if problem is None:
+        return "nixl", f"auto: NIXL imports and registers {memory} memory"
+    return "tcp", f"auto: {problem}"
+
+
+def make_transport(
+    config: KVTransferConfig, keys: KeyRing, device_type: str = "cpu"
+) -> KVTransport:
+    """The transport `choose_transport` picks for a KV cache on `device_type`; logs which and
+    why."""
+    name, why = choose_transport(config.transport, device_type)
+    logger.info("KV transport %s (%s)", name, why)
+    if name == "nixl":
+        from baton.kv_transfer.nixl.transport import NixlTransport
+
+        return NixlTransport(config, keys)
     from baton.kv_transfer.tcp.transport import TCPTransport
 
     return TCPTransport(config, keys)
@@ -191,7 +245,7 @@ class PullConnector(KVConnectorBase):
         return self.transport.name if self.transport is not None else "none"
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.transport = make_transport(self.config, self.keys)
+        self.transport = make_transport(self.config, self.keys, kv_cache.device.type)
         self.ports = [self.transport.start(kv_cache)]
         self._pool = ThreadPoolExecutor(_LOADER_THREADS, thread_name_prefix="kv-load")
         logger.info(

@@ -288,7 +288,13 @@ SPEC: Schema = _obj(
         "planner": PLANNER,
         "kvTransfer": _obj(
             {
-                "transport": _str("KV block transport.", "tcp", ["tcp", "nixl"]),
+                "transport": _str(
+                    "KV block transport. auto: NIXL where the engine's image has it and it "
+                    "serves the KV cache's memory, TCP otherwise; nixl: NIXL or the engine "
+                    "fails to start.",
+                    "auto",
+                    ["auto", "tcp", "nixl"],
+                ),
                 "leaseSeconds": _int(30, minimum=1, maximum=3600),
                 "loadFailurePolicy": _str(
                     "What decode does when a pull fails.", "recompute", ["recompute", "fail"]

@@ -122,7 +122,7 @@ class PlannerSpec:
 
 @dataclass(frozen=True)
 class KVTransfer:
-    transport: Literal["tcp", "nixl"]
+    transport: Literal["auto", "tcp", "nixl"]
     lease_seconds: int
     load_failure_policy: Literal["recompute", "fail"]
 

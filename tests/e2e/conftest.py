@@ -34,6 +34,9 @@ COMMON = (
     str(LOAD_TIMEOUT),
     "--shutdown-timeout",
     "20",
+    # The fault peers and the canary speak TCP; `auto` would take NIXL where it is installed.
+    "--kv-transport",
+    "tcp",
 )
 
 # The engines of the session, by name: (role, extra flags). Survivors (p0, d0) serve every test;

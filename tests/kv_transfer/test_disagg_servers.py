@@ -52,11 +52,12 @@ def stack(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
     leases last 1 s (test_unclaimed_lease_expires reads it, then
     test_prefill_engine_killed_before_the_pull kills it: the order of this file)."""
     tmp = tmp_path_factory.mktemp("stack")
+    tcp = ("--block-size", BLOCK, "--kv-transport", "tcp")  # the fault peers speak TCP
     flags = {
         "single": ("--block-size", BLOCK),
-        "prefill": ("--block-size", BLOCK, "--role", "prefill"),
-        "decode": ("--block-size", BLOCK, "--role", "decode", "--kv-load-timeout", "3"),
-        "short-lease": ("--block-size", BLOCK, "--role", "prefill", "--kv-lease-seconds", "1"),
+        "prefill": (*tcp, "--role", "prefill"),
+        "decode": (*tcp, "--role", "decode", "--kv-load-timeout", "3"),
+        "short-lease": (*tcp, "--role", "prefill", "--kv-lease-seconds", "1"),
     }
     if _has_nixl():
         nixl = ("--block-size", BLOCK, "--kv-transport", "nixl")

@@ -32,7 +32,8 @@ def test_disaggregated_windowed_model_equals_single_engine(model: Path) -> None:
     assert single.scheduler.kv.sliding_window == 8
     prompts = [*_prompts(), [3 + (5 * j) % 300 for j in range(33)]]
     want = _run(single, [_request(f"s{i}", ids, GREEDY) for i, ids in enumerate(prompts)])
-    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    prefill = _engine(model, "prefill", transport="tcp")
+    decode = _engine(model, "decode", transport="tcp")
     try:
         pre, got = _hand_off(prefill, decode, prompts)
         for i in range(len(prompts)):

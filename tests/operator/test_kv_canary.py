@@ -139,7 +139,7 @@ def test_a_failed_pull_then_a_working_pair(kube: Kube, tmp_path: Path, pair: Pai
     status = isvc["status"]
     assert kv_ready(kube)["status"] == "True"
     path = status["kvPath"]
-    assert path["transport"] == "tcp" and path["requestedTransport"] == "tcp"
+    assert path["transport"] == "tcp" and path["requestedTransport"] == "auto"  # the default
     assert path["succeeded"] is True and path["consecutiveFailures"] == 0
     assert path["bytes"] > 0 and path["bytes"] % pair.decode.block_bytes == 0
     assert path["latencyMs"] == pytest.approx(10.0, abs=0.5)  # the fake pull's 0.01 s

@@ -30,7 +30,7 @@ def test_minimal_spec_gets_the_schema_defaults() -> None:
     assert [p.role for p in spec.pools] == ["prefill", "decode"]
     assert all(p.replicas == 1 and p.tensor_parallel_size == 1 for p in spec.pools)
     assert all(p.autoscaling is None for p in spec.pools)
-    assert (spec.kv_transfer.transport, spec.kv_transfer.lease_seconds) == ("tcp", 30)
+    assert (spec.kv_transfer.transport, spec.kv_transfer.lease_seconds) == ("auto", 30)
     assert spec.kv_transfer.load_failure_policy == "recompute"
     assert (spec.router.replicas, spec.router.policy) == (1, "prefix-aware")
     assert (spec.router.service_type, spec.router.disagg_min_tokens) == ("ClusterIP", 0)

@@ -22,7 +22,7 @@ from baton.engine.config import (
 )
 from baton.http_server import add_listen_args, api_keys_from_args
 from baton.kv_events import KVEventsConfig, parse_config
-from baton.kv_transfer.base import TRANSPORTS, KVTransferConfig
+from baton.kv_transfer.base import STAGING_MODES, TRANSPORTS, KVTransferConfig
 from baton.kv_transfer.keyring import SECRET_ENV, KeyRing, default_secret_file
 from baton.kv_transfer.params import FAILURE_POLICIES
 from baton.roles import ROLES
@@ -161,8 +161,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--kv-transport",
         choices=TRANSPORTS,
         default=None,
-        help="how KV blocks move between engines (default tcp for prefill/decode roles; nixl "
-        "falls back to tcp, with a warning, when the nixl package cannot be imported)",
+        help="how KV blocks move between engines (default auto for the prefill and decode "
+        "roles: NIXL where it imports and serves the KV cache's memory, TCP otherwise; nixl "
+        "without a working NIXL stops the start)",
     )
     parser.add_argument("--kv-host", default=None, help="KV server bind address (default --host)")
     parser.add_argument("--kv-port", type=int, default=k.port, help="KV server port (0: free)")
@@ -183,6 +184,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="the hand-off secrets, one per line: the first signs the kv_transfer_params this "
         f"engine issues, every one verifies (default: ${SECRET_ENV}, else "
         f"{default_secret_file()}, made on first use; docs/security.md)",
+    )
+    parser.add_argument(
+        "--kv-staging",
+        choices=STAGING_MODES,
+        default=k.staging,
+        help="when the TCP transport stages KV blocks through host buffers, chunk by chunk: "
+        "auto: for a KV cache in device memory; always: for a host cache too (tests the staged "
+        "path on CPU; docs/kv-transfer.md)",
     )
 
 
@@ -268,7 +277,7 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
     advertise = args.kv_advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::") else host)
     return KVTransferConfig(
         role=args.role,
-        transport=args.kv_transport or "tcp",
+        transport=args.kv_transport or "auto",
         host=host,
         port=args.kv_port,
         advertise_host=advertise,
@@ -276,6 +285,7 @@ def _kv_transfer_config(args: argparse.Namespace) -> KVTransferConfig | None:
         load_timeout=args.kv_load_timeout,
         load_failure_policy=args.kv_load_failure_policy,
         secret_file=args.kv_secret_file,
+        staging=args.kv_staging,
     )
 
 

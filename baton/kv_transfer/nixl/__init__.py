@@ -28,6 +28,6 @@ and the server polls its agent only while a hold is active, which transports wit
 hardware support (UCX over TCP) need to make progress (``server.py``).
 
 Only ``transport.py`` needs a NIXL package (``nixl``, ``nixl-cu12``, ``nixl-cu13``): importing it
-raises ImportError when none imports, so that ``make_transport`` falls back to TCP. The side
-channel and the serving side import without one.
+raises ImportError when none imports, which ``choose_transport`` (``connector.py``) reads as
+"NIXL unavailable". The side channel and the serving side import without one.
 """

@@ -3,7 +3,9 @@ straight into the local KV tensor, over pooled connections, and releases leases 
 
 The reader receives in chunks of a few blocks and checksums each chunk as soon as it is complete,
 while the kernel keeps taking the next bytes into the socket buffer, so its checksum pass overlaps
-the transfer.
+the transfer. With a `StagingPool` (a cache outside host memory, or staging forced) it receives
+each chunk into a host buffer instead, checksums it there and copies it into the cache while the
+next chunk arrives (``staging.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from baton.kv_transfer.checksum import block_bytes, block_checksum, byte_view, c
 from baton.kv_transfer.keyring import TAG_BYTES, KeyRing
 from baton.kv_transfer.leases import Status, status_name
 from baton.kv_transfer.sockets import ExchangeError, KVConnectionPool, arm, is_timeout, recv_exact
+from baton.kv_transfer.tcp.staging import StagingPool
 from baton.kv_transfer.tcp.wire import DONE, REPLY, REPLY_MAGIC, coalesce, pack_request
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ def read_blocks(
     *,
     pool: KVConnectionPool | None = None,
     req_id: str | None = None,
+    staging: StagingPool | None = None,
 ) -> TransferResult:
     """Pulls remote blocks of ``lease`` into ``kv_cache[local_block_ids]`` (the decode side).
 
@@ -62,7 +66,8 @@ def read_blocks(
     With a ``pool`` the read reuses an idle connection to (host, port) and gives it back after
     (`KVConnectionPool.exchange`); its retry after a stale one is safe because nothing sent before
     DONE changes the server's state. The result is reported under ``req_id``, the local request's
-    id (the remote ``request_id`` when not given).
+    id (the remote ``request_id`` when not given). With ``staging`` (a pool over ``kv_cache``)
+    the bytes pass through its host buffers; a cache outside host memory is always staged.
     """
     start = time.monotonic()
     result_id = lease.request_id if req_id is None else req_id
@@ -74,8 +79,11 @@ def read_blocks(
         return result(
             f"BAD_ARGUMENT: {len(remote_block_ids)} remote ids vs {len(local_block_ids)} local ids"
         )
+    own_staging = staging is None and kv_cache.device.type != "cpu"
     try:
-        view = byte_view(kv_cache)
+        if own_staging:
+            staging = StagingPool(kv_cache)
+        view = None if staging is not None else byte_view(kv_cache)
     except ValueError as exc:
         return result(f"BAD_ARGUMENT: {exc}")
     num_blocks = kv_cache.shape[0]
@@ -83,11 +91,13 @@ def read_blocks(
         return result(f"BAD_ARGUMENT: local block ids out of range [0, {num_blocks})")
     bpb = block_bytes(kv_cache)
     where = f"request {lease.request_id!r} at {lease.host}:{lease.port}"
-    read = _Read(lease, remote_block_ids, view, bpb, local_block_ids, where, deadline)
+    read = _Read(lease, remote_block_ids, view, staging, bpb, local_block_ids, where, deadline)
     use = pool or KVConnectionPool()  # without a pool, the connection is closed after the read
     error = use.exchange(lease.host, lease.port, deadline, read.run, rcvbuf=_READER_RCVBUF)
     if pool is None:
         use.close()
+    if own_staging and staging is not None:
+        staging.close()
     return result(error, read.received)
 
 
@@ -133,7 +143,8 @@ class _Read:
 
     lease: Lease
     remote_ids: list[int]
-    view: memoryview  # the local KV cache's bytes
+    view: memoryview | None  # the local KV cache's bytes; None when staged
+    staging: StagingPool | None
     bpb: int
     local_ids: list[int]
     where: str  # the remote request, for errors
@@ -171,26 +182,33 @@ class _Read:
             raise ExchangeError(f"{code}: {exc}", stale=not got_reply) from None
 
     def _recv_payload(self, sock: socket.socket, expected: int) -> list[int]:
-        """Receives every block in place and returns their checksums, chunk by chunk (see the
-        module docstring)."""
+        """Receives every block and returns their checksums, chunk by chunk (see the module
+        docstring)."""
+
+        def recv_into(chunk: memoryview) -> None:
+            got = 0
+            while got < len(chunk):
+                arm(sock, self.deadline)
+                k = sock.recv_into(chunk[got:], 0, socket.MSG_WAITALL)
+                if k == 0:
+                    raise ExchangeError(
+                        f"SHORT_READ: connection closed after {self.received} of {expected} B"
+                    )
+                got += k
+                self.received += k
+
+        if self.staging is not None:
+            with self.staging.stager() as stager:
+                return stager.receive(self.local_ids, recv_into)
         bpb, view = self.bpb, self.view
+        assert view is not None
         per_chunk = max(1, RECV_CHUNK_BYTES // bpb)
         crcs: list[int] = []
         for first, count in coalesce(self.local_ids):
             for offset in range(0, count, per_chunk):
                 lo = first + offset
                 hi = lo + min(per_chunk, count - offset)
-                chunk = view[lo * bpb : hi * bpb]
-                got = 0
-                while got < len(chunk):
-                    arm(sock, self.deadline)
-                    k = sock.recv_into(chunk[got:], 0, socket.MSG_WAITALL)
-                    if k == 0:
-                        raise ExchangeError(
-                            f"SHORT_READ: connection closed after {self.received} of {expected} B"
-                        )
-                    got += k
-                    self.received += k
+                recv_into(view[lo * bpb : hi * bpb])
                 crcs.extend(block_checksum(view[b * bpb : (b + 1) * bpb]) for b in range(lo, hi))
         return crcs
 

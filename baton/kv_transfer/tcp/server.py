@@ -1,6 +1,6 @@
 """The TCP transport's block server (the prefill side): serves leased blocks of this engine's KV
-cache straight from tensor memory, one read or release at a time per connection (``wire.py``),
-to readers that prove the hand-off key."""
+cache straight from host tensor memory, or staged through host buffers (``staging.py``), one read
+or release at a time per connection (``wire.py``), to readers that prove the hand-off key."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from baton.kv_transfer.checksum import byte_view, combine
 from baton.kv_transfer.keyring import TAG_BYTES, KeyRing
 from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
 from baton.kv_transfer.sockets import ThreadedServer, recv_exact
+from baton.kv_transfer.tcp.staging import StagingPool
 from baton.kv_transfer.tcp.wire import (
     DONE,
     MAX_BLOCKS_PER_READ,
@@ -30,6 +31,10 @@ class KVBlockServer(ThreadedServer):
     The engine's side is ``leases`` (a `LeaseTable`: thread-safe, never blocking on I/O, so the
     busy loop may call it every step). A lease must cover blocks the engine will not write or free
     until the lease is released, expired, or reported claimed.
+
+    With ``staging`` (a pool over ``kv_cache``; required for a cache outside host memory) the
+    blocks go out through its host buffers, chunk by chunk (`staging.Stager.send`); the bytes on
+    the wire are the same. The pool's owner closes it.
     """
 
     def __init__(
@@ -41,8 +46,10 @@ class KVBlockServer(ThreadedServer):
         port: int = 0,
         *,
         io_timeout: float = 30.0,
+        staging: StagingPool | None = None,
     ) -> None:
-        self._view = byte_view(kv_cache)
+        self._staging = staging
+        self._view = None if staging is not None else byte_view(kv_cache)
         self._num_blocks = kv_cache.shape[0]
         self._keys = keys
         self.leases = LeaseTable(kv_cache, engine_id)
@@ -97,8 +104,13 @@ class KVBlockServer(ThreadedServer):
 
     def _send(self, conn: socket.socket, engine_id: str, request_id: str, ids: list[int]) -> bool:
         bpb = self.leases.block_bytes
-        for first, count in coalesce(ids):
-            conn.sendall(self._view[first * bpb : (first + count) * bpb])
+        if self._staging is not None:
+            with self._staging.stager() as stager:
+                stager.send(conn, ids)
+        else:
+            assert self._view is not None
+            for first, count in coalesce(ids):
+                conn.sendall(self._view[first * bpb : (first + count) * bpb])
         done = recv_exact(conn, 1)
         if done != DONE:
             return False

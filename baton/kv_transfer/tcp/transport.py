@@ -1,5 +1,6 @@
 """The TCP transport behind the KV connector: a `KVBlockServer` for this engine's leases and
-pooled `read_blocks` pulls from other engines' servers."""
+pooled `read_blocks` pulls from other engines' servers. A KV cache outside host memory (or any,
+with ``staging = "always"``) moves through host staging buffers (``staging.py``)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from baton.kv_transfer.params import RemotePrefill
 from baton.kv_transfer.sockets import KVConnectionPool
 from baton.kv_transfer.tcp.reader import Lease, read_blocks, release_lease
 from baton.kv_transfer.tcp.server import KVBlockServer
+from baton.kv_transfer.tcp.staging import StagingPool, uses_staging
 
 logger = logging.getLogger(__name__)
 
 
 class TCPTransport:
-    """The `KVTransport` over TCP; host memory only."""
+    """The `KVTransport` over TCP, from and to host or device memory."""
 
     name = "tcp"
 
@@ -27,17 +29,25 @@ class TCPTransport:
         self.keys = keys
         self._server: KVBlockServer | None = None
         self._kv_cache: torch.Tensor | None = None
+        self._staging: StagingPool | None = None  # for both the server and the reader
         self._pool = KVConnectionPool()
 
     def start(self, kv_cache: torch.Tensor) -> int:
-        if kv_cache.device.type != "cpu":
-            raise ValueError(
-                "the TCP KV transport moves host memory; this engine's KV cache is on "
-                f"{kv_cache.device}. Use --kv-transport nixl for device memory."
-            )
+        stage = uses_staging(kv_cache, self.config.staging)
+        logger.info(
+            "TCP KV transport: KV cache on %s, %s",
+            kv_cache.device,
+            "staged through host buffers" if stage else "sent from and received into place",
+        )
         self._kv_cache = kv_cache
+        self._staging = StagingPool(kv_cache) if stage else None
         self._server = KVBlockServer(
-            kv_cache, self.config.engine_id, self.keys, self.config.host, self.config.port
+            kv_cache,
+            self.config.engine_id,
+            self.keys,
+            self.config.host,
+            self.config.port,
+            staging=self._staging,
         )
         return self._server.start()
 
@@ -65,6 +75,7 @@ class TCPTransport:
             deadline,
             pool=self._pool,
             req_id=spec.req_id,
+            staging=self._staging,
         )
 
     def release_remote(self, remote: RemotePrefill, deadline: float) -> None:
@@ -79,3 +90,5 @@ class TCPTransport:
         if self._server is not None:
             self._server.stop()
         self._pool.close()
+        if self._staging is not None:
+            self._staging.close()

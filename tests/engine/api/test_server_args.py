@@ -28,14 +28,15 @@ def test_flags_reach_the_configs() -> None:
 
 
 def test_role_flags_make_the_kv_transfer_config() -> None:
-    """--role and --kv-* land in `KVTransferConfig`; 0.0.0.0 advertises loopback unless told."""
+    """--role and --kv-* land in `KVTransferConfig` (the transport auto unless given); 0.0.0.0
+    advertises loopback unless told."""
     engine, _ = configs_from_args(
         _parse("--role", "prefill", "--host", "0.0.0.0", "--kv-port", "14579",
                "--kv-lease-seconds", "5", "--kv-load-failure-policy", "fail")
     )  # fmt: skip
     kv = engine.kv_transfer
     assert kv is not None
-    assert (kv.role, kv.transport, kv.host, kv.port) == ("prefill", "tcp", "0.0.0.0", 14579)
+    assert (kv.role, kv.transport, kv.host, kv.port) == ("prefill", "auto", "0.0.0.0", 14579)
     assert (kv.public_host, kv.lease_seconds, kv.load_failure_policy) == ("127.0.0.1", 5.0, "fail")
     engine, _ = configs_from_args(
         _parse("--role", "decode", "--kv-advertise-host", "10.0.0.7", "--kv-transport", "nixl")
