@@ -86,6 +86,8 @@ step "ops tests, device-independent" 60 "$PY" -m pytest -m "not gpu" tests/engin
     -p no:cacheprovider
 step "engine on cuda vs transformers (greedy oracle, async scheduling)" 150 "$PY" -m pytest -x -q \
     -p no:cacheprovider tests/engine/test_llm.py tests/engine/test_async_scheduling.py
+step "models on cuda vs transformers (MoE, sliding windows, Gemma 2, GGUF)" 150 "$PY" -m pytest \
+    -q -p no:cacheprovider -m "not slow" tests/engine/models
 step "kernel benchmark" 240 "$PY" bench/kernels.py --json "$OUT_DIR/kernels.json"
 if [ -f bench/throughput.py ]; then
     step "throughput benchmark" 240 "$PY" bench/throughput.py --device cuda
