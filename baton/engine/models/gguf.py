@@ -17,14 +17,14 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from baton.cache import cache_dir, write_once
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -88,12 +88,6 @@ _PREPARED_FORMAT = 1
 _TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?(\w+)\.(weight|bias)$")
 
 
-def cache_root() -> Path:
-    """Where prepared folders live: `$BATON_CACHE_DIR/gguf`, else `~/.cache/baton/gguf`."""
-    env = os.environ.get("BATON_CACHE_DIR")
-    return (Path(env) if env else Path.home() / ".cache" / "baton") / "gguf"
-
-
 def gguf_file_of(folder: Path) -> Path | None:
     """The GGUF file a folder stands for: its only *.gguf where it has no config.json and no
     safetensors; None for any other folder. Several GGUF files are an error naming them."""
@@ -108,37 +102,32 @@ def gguf_file_of(folder: Path) -> Path | None:
 
 def prepare(file: Path, root: Path | None = None) -> Path:
     """The Hugging Face folder for GGUF `file`, written on first use under `root` (default
-    `cache_root()`), keyed by the file's path, size and modification time. The folder's name is
-    the file's stem (the default served model name). Unsupported files fail here, before any
-    engine starts."""
+    `$BATON_CACHE_DIR/gguf`), keyed by the file's path, size and modification time. The
+    folder's name is the file's stem (the default served model name). Unsupported files fail
+    here, before any engine starts."""
     file = file.resolve()
     st = file.stat()
     key = hashlib.blake2b(
         f"{_PREPARED_FORMAT}\0{file}\0{st.st_size}\0{st.st_mtime_ns}".encode(), digest_size=8
     ).hexdigest()
-    final = (root or cache_root()) / key / file.stem
-    if (final / "config.json").is_file():
+    final = (root or cache_dir() / "gguf") / key / file.stem
+    if final.is_dir():
         return final
-    reader = _reader(file)
-    meta = _metadata(reader)
-    config = hf_config(meta, reader)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare.", dir=final.parent))
-    try:
-        _write_json(tmp / "config.json", config)
+
+    def write(folder: Path) -> None:
+        reader = _reader(file)
+        meta = _metadata(reader)
+        config = hf_config(meta, reader)
+        _write_json(folder / "config.json", config)
         generation: dict[str, Any] = {
             k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config
         }
-        _write_json(tmp / "generation_config.json", generation)
-        (tmp / "tokenizer.json").write_text(tokenizer_json(meta), encoding="utf-8")
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
-        (tmp / file.name).symlink_to(file)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _write_json(folder / "generation_config.json", generation)
+        (folder / "tokenizer.json").write_text(tokenizer_json(meta), encoding="utf-8")
+        _write_json(folder / "tokenizer_config.json", tokenizer_config(meta))
+        (folder / file.name).symlink_to(file)
+
+    write_once(final, write)
     logger.info("GGUF %s prepared as the model folder %s", file, final)
     return final
 

@@ -16,14 +16,14 @@ import math
 import os
 import pathlib
 import random
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from baton.cache import cache_dir, write_once
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # Mixture of experts: 4 experts, top-2, each expert half the dense MLP (so 2 active experts match
@@ -164,26 +164,11 @@ def run(args: argparse.Namespace) -> int:
 def default_model_path() -> pathlib.Path:
     """Return the cached default model (llama, small), writing it on first use.
 
-    Lives in `$BATON_CACHE_DIR/models/llama-small`, else `~/.cache/baton/models/llama-small`.
-    The folder is written beside its final place and renamed in, so readers never see a partial
-    model; if another process renames first, its copy is used.
+    Lives in `$BATON_CACHE_DIR/models/llama-small`, else `~/.cache/baton/models/llama-small`,
+    published whole (`baton.cache.write_once`).
     """
-    env = os.environ.get("BATON_CACHE_DIR")
-    root = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "baton"
-    final = root / "models" / "llama-small"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".llama-small.", dir=final.parent))
-    try:
-        write_tiny_model(tmp, "llama", "small")
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = cache_dir() / "models" / "llama-small"
+    return write_once(final, lambda folder: write_tiny_model(folder, "llama", "small"))
 
 
 def _model_config(arch: str, size: str, rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

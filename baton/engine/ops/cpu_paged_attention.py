@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from baton.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".c")
@@ -30,11 +32,6 @@ _FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _LIMITS = {"group": 16, "head_dim": 256, "block_size": 64}  # MAX_* in the C source
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("BATON_CACHE_DIR") or Path.home() / ".cache" / "baton"
-    return Path(root) / "kernels"
-
-
 @cache
 def _library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -43,7 +40,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + os.uname().machine.encode())
-    target = _cache_dir() / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
