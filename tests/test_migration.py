@@ -251,6 +251,10 @@ def test_a_cut_between_the_bytes_of_a_character(stack: Serve) -> None:
     raise AssertionError("no kill landed inside a character")
 
 
+# In `make test-long`, alone on the machine: under `make test`'s second worker (the 30-layer
+# SmolLM2 tests among its neighbours) the kill missed the 6-character window on every try in two
+# runs of six, while alone and beside two busy loops it landed every time.
+@pytest.mark.long
 def test_a_cut_inside_a_stop_string(stack: Serve) -> None:
     """The stop string straddles the kill point: it is still found, and the answer ends
     where the single engine's does."""
