@@ -213,6 +213,13 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
         engine_words = ["--model", args.model, *engine_words]
     if "engine__disable_uvicorn_access_log" not in values:
         engine_words.append("--disable-uvicorn-access-log")
+    if "engine__gpu_memory_utilization" not in values:
+        # The engines share one GPU (on CPU the flag is unused): each gets an equal share of
+        # the 0.9 one engine takes alone.
+        share = parser.get_default("gpu_memory_utilization") / (
+            num_prefill + num_decode + args.engines
+        )
+        engine_words += ["--gpu-memory-utilization", f"{share:.4f}"]
     routing = argparse.ArgumentParser(add_help=False)
     add_routing_args(routing)
     router_words = _argv(routing._actions, values, "")

@@ -88,6 +88,10 @@ step "engine on cuda vs transformers (greedy oracle, async scheduling)" 150 "$PY
     -p no:cacheprovider tests/engine/test_llm.py tests/engine/test_async_scheduling.py
 step "models on cuda vs transformers (MoE, sliding windows, Gemma 2, GGUF)" 150 "$PY" -m pytest \
     -q -p no:cacheprovider -m "not slow" tests/engine/models
+step "KV checksums on cuda (sum64 equals the host's) and --gpu-memory-utilization" 60 "$PY" -m \
+    pytest -q -p no:cacheprovider tests/kv_transfer/test_checksum.py tests/engine/test_kv_budget.py
+step "checksum cost per GB against a device copy" 60 "$PY" bench/checksum.py --mib 1024 \
+    --json "$OUT_DIR/checksum.json"
 step "kernel benchmark" 240 "$PY" bench/kernels.py --json "$OUT_DIR/kernels.json"
 if [ -f bench/throughput.py ]; then
     step "throughput benchmark" 240 "$PY" bench/throughput.py --device cuda

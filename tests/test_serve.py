@@ -437,7 +437,7 @@ def test_serve_flags_reach_the_router_and_the_engines(monkeypatch: pytest.Monkey
     assert plan.router_words == ("--policy", "least-load", "--disagg-min-tokens", "64")
     assert set(plan.engine_words) == {
         "--max-model-len", "256", "--no-enable-prefix-caching", "--served-model-name", "m",
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--gpu-memory-utilization", "0.3000",
     }  # fmt: skip
     assert plan.api_key is None
     keyed = serve.plan_from_args(parser.parse_args(["--api-key", "k"]))
@@ -446,6 +446,11 @@ def test_serve_flags_reach_the_router_and_the_engines(monkeypatch: pytest.Monkey
         parser.parse_args(["--ssl-certfile", "cert.pem"])
     aggregated = serve.plan_from_args(parser.parse_args(["--engines", "3"]))
     assert (aggregated.num_prefill, aggregated.num_decode, aggregated.num_both) == (0, 0, 3)
+    # Engines share one GPU: 0.9 split among them unless the flag is given.
+    assert aggregated.engine_words[-2:] == ("--gpu-memory-utilization", "0.3000")
+    given = serve.plan_from_args(parser.parse_args(["--gpu-memory-utilization", "0.8"]))
+    assert given.engine_words.count("--gpu-memory-utilization") == 1
+    assert given.engine_words[given.engine_words.index("--gpu-memory-utilization") + 1] == "0.8"
     with pytest.raises(ValueError, match="come together"):
         serve.plan_from_args(parser.parse_args(["--prefill", "0", "--decode", "1"]))
 

@@ -38,6 +38,14 @@ logger = logging.getLogger(__name__)
 _CPU_KV_CACHE_BYTES = 4 << 30  # like vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4)
 
 
+def kv_budget(free: int, total: int, held: int, gpu_memory_utilization: float) -> int:
+    """Bytes of device memory the KV cache may take, as vLLM's --gpu-memory-utilization means it:
+    this engine's share of the whole device, less what it already holds (the weights), and never
+    more than is free. The share is per engine, so two engines at 0.45 share one GPU whichever
+    starts first; what is left outside the shares is headroom for activations."""
+    return max(0, min(int(total * gpu_memory_utilization) - held, free))
+
+
 def resolve_model_path(
     model: str | None, revision: str | None = None, download_dir: str | None = None
 ) -> Path:
@@ -189,9 +197,7 @@ class EngineCore:
         elif args.kv_cache_memory_bytes is not None:
             num_blocks = args.kv_cache_memory_bytes // per_block
         elif memory is not None:
-            free, total = memory
-            budget = free - total * (1 - args.gpu_memory_utilization)
-            num_blocks = int(budget // per_block)
+            num_blocks = int(kv_budget(*memory, args.gpu_memory_utilization) // per_block)
         else:
             num_blocks = _CPU_KV_CACHE_BYTES // per_block
         needed = cdiv(self.max_model_len, args.block_size)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.kv_transfer.checksum import block_bytes, block_crcs
+from baton.kv_transfer.checksum import XXH3, block_bytes, block_crcs
 from baton.tracing import log_for
 
 logger = logging.getLogger(__name__)
@@ -70,8 +70,9 @@ class LeaseTable:
     """The leases of one engine's KV cache; thread-safe, and no call blocks on I/O. Readers name
     the engine id and block size they expect, which a restarted engine or another layout refuses."""
 
-    def __init__(self, kv_cache: torch.Tensor, engine_id: str) -> None:
+    def __init__(self, kv_cache: torch.Tensor, engine_id: str, checksum: str = XXH3) -> None:
         self.engine_id = engine_id
+        self.checksum = checksum  # the kind of block checksum readers are given (checksum.py)
         self.block_bytes = block_bytes(kv_cache)
         self._kv = kv_cache
         self._num_blocks = kv_cache.shape[0]
@@ -99,7 +100,7 @@ class LeaseTable:
         if bad:
             raise ValueError(f"block ids {bad[:8]} out of range [0, {self._num_blocks})")
         ids = sorted(set(block_ids))
-        crcs = self._crc_pool.submit(block_crcs, self._kv, ids)
+        crcs = self._crc_pool.submit(block_crcs, self._kv, ids, self.checksum)
         with self._lock:
             self._leases[request_id] = _Lease(frozenset(ids), expires_at, crcs, client_request_id)
             self._expired.pop(request_id, None)
@@ -177,7 +178,7 @@ class LeaseTable:
         if fut.done() and not fut.cancelled():
             table = dict(zip(sorted(lease.block_ids), fut.result(), strict=True))
             return Status.OK, [table[b] for b in ids]
-        return Status.OK, block_crcs(self._kv, ids)
+        return Status.OK, block_crcs(self._kv, ids, self.checksum)
 
     def end_read(self, request_id: str) -> None:
         """A read that began with `lookup` is over (whether or not it was claimed)."""

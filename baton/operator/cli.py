@@ -38,6 +38,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="image for services whose spec names none ($BATON_DEFAULT_IMAGE)",
     )
     parser.add_argument(
+        "--default-gpu-image",
+        default=os.environ.get("BATON_DEFAULT_GPU_IMAGE", ""),
+        help="image for the engines of pools that ask for nvidia.com/gpu in services whose spec "
+        "names none: the Dockerfile's cuda target ($BATON_DEFAULT_GPU_IMAGE; default: "
+        "--default-image)",
+    )
+    parser.add_argument(
         "--gateway-namespace",
         default="baton-system",
         help="namespace of the gateway's pods (app.kubernetes.io/name=baton-gateway), which the "
@@ -164,6 +171,7 @@ async def _operate(args: argparse.Namespace) -> None:
         args.gateway_url or None,
         monitoring,
         args.prometheus_address,
+        default_gpu_image=args.default_gpu_image,
     )
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # kopf logs every handled watch event at INFO; the reconciler logs what it changes.

@@ -275,7 +275,10 @@ SPEC: Schema = _obj(
             "token, and the router sends it to the engines.",
             required=["name"],
         ),
-        "image": _str("Image with `baton`; default: the operator's --default-image."),
+        "image": _str(
+            "Image with `baton` for every pool; default: the operator's --default-image, and "
+            "its --default-gpu-image for pools that ask for nvidia.com/gpu."
+        ),
         "imagePullPolicy": _str("", "IfNotPresent", ["Always", "IfNotPresent", "Never"]),
         "mode": _str(
             "disaggregated: prefill and decode pools; aggregated: one engine pool.",

@@ -42,6 +42,7 @@ class Controller:
     monitoring: PodMonitorConfig | None = field(default_factory=PodMonitorConfig)
     # Where KEDA ScaledObjects query Prometheus unless their pool names one, and the planner.
     prometheus_address: str = DEFAULT_PROMETHEUS_ADDRESS
+    default_gpu_image: str = ""  # for pools that ask for GPUs; "" means default_image
     reconciler: Reconciler | None = None
     planners: PlannerLoops | None = None  # the SLO planner's loops (`spec.planner`)
     _cluster: Cluster | None = None
@@ -52,6 +53,7 @@ class Controller:
         self.reconciler = Reconciler(
             Api(self._cluster),
             self.default_image,
+            default_gpu_image=self.default_gpu_image,
             access=self.access,
             namespaces=self.namespaces,
             canary=self.canary,

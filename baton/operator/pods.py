@@ -11,13 +11,12 @@ import copy
 import json
 from typing import Any
 
-from baton.operator.spec import InferenceServiceSpec, ModelSource, Pool
+from baton.operator.spec import GPU, InferenceServiceSpec, ModelSource, Pool
 
 ENGINE_PORT = 8000
 KV_PORT = 14579
 KV_EVENTS_PORT = 5557  # vLLM's default KV events port; replay on the next one
 ROUTER_PORT = 8000
-GPU = "nvidia.com/gpu"
 MODEL_MOUNT = "/models"
 # An hf:// model's Hugging Face cache (`--download-dir`): on `spec.model.cache`'s claim, shared
 # by every engine pod of the service and kept across restarts, or on the pod's own emptyDir.
@@ -161,7 +160,7 @@ def kv_events_config(spec: InferenceServiceSpec) -> str:
 def engine_resources(pool: Pool) -> dict[str, Any]:
     """The pool's resources, with `tensorParallelSize` GPUs when they ask for GPUs at all."""
     resources = copy.deepcopy(pool.resources)
-    if any(GPU in resources.get(part, {}) for part in ("limits", "requests")):
+    if pool.uses_gpus:
         # Extended resources must have equal requests and limits; the TP degree decides both.
         resources.setdefault("limits", {})[GPU] = pool.tensor_parallel_size
         if GPU in resources.get("requests", {}):
@@ -276,7 +275,7 @@ def engine_pod(
     token_env = [_secret_env("HF_TOKEN", token)] if token else []
     container: Manifest = {
         "name": "engine",
-        "image": spec.image,
+        "image": spec.image_for(pool),
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["baton"],
         "args": engine_args(spec, pool),

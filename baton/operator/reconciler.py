@@ -114,6 +114,7 @@ class Reconciler:
     api: Api
     default_image: str = ""
     max_backoff: float = 60.0
+    default_gpu_image: str = ""  # for pools that ask for GPUs; "" means default_image
     access: NetworkAccess = field(default_factory=NetworkAccess)
     # Where rivals for a served model name are looked for: the watched namespaces (empty: all).
     namespaces: tuple[str, ...] = ()
@@ -225,7 +226,7 @@ class Reconciler:
             self.forget(namespace, name)
             return
         try:
-            spec = parse_spec(isvc.get("spec"), self.default_image)
+            spec = parse_spec(isvc.get("spec"), self.default_image, self.default_gpu_image)
             owner = await self._model_owner(isvc, spec)
             desired = desired_children(
                 isvc, spec, self.access, owner is None, self.prometheus_address

@@ -17,6 +17,7 @@ from baton.roles import Role
 
 Mode = Literal["disaggregated", "aggregated"]
 MODEL_SCHEMES = ("hf", "pvc", "file")
+GPU = "nvidia.com/gpu"  # the extended resource of NVIDIA's device plugin
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,11 @@ class Pool:
         hand-off secret to hold)."""
         return self.role != "both"
 
+    @property
+    def uses_gpus(self) -> bool:
+        """Whether the pool's resources ask for NVIDIA GPUs."""
+        return any(GPU in self.resources.get(part, {}) for part in ("limits", "requests"))
+
 
 @dataclass(frozen=True)
 class PlannerSpec:
@@ -161,6 +167,11 @@ class InferenceServiceSpec:
     drain: Drain
     api_key_secret: tuple[str, str] | None = None  # (Secret name, key)
     planner: PlannerSpec | None = None  # None: no planner (absent or not enabled)
+    gpu_image: str = ""  # for pools that ask for GPUs; "" means `image`
+
+    def image_for(self, pool: Pool) -> str:
+        """The image of `pool`'s engines: the CUDA one where the pool asks for GPUs."""
+        return (self.gpu_image or self.image) if pool.uses_gpus else self.image
 
     def sets_replicas(self, pool: Pool) -> bool:
         """Whether the operator applies `pool.replicas`: not when an autoscaler or the planner
@@ -168,12 +179,16 @@ class InferenceServiceSpec:
         return pool.autoscaling is None and self.planner is None
 
 
-def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
+def parse_spec(
+    raw: Any, default_image: str = "", default_gpu_image: str = ""
+) -> InferenceServiceSpec:
     """The typed spec of an `InferenceService`; raises `SpecError` for a spec that cannot run."""
     spec = defaulted_spec(raw)
     engine = spec["engine"]
     mode: Mode = spec["mode"]
     image = spec.get("image") or default_image
+    # Pools that ask for GPUs run the CUDA image unless the spec names its own.
+    gpu_image = spec.get("image") or default_gpu_image or image
     if not image:
         raise SpecError(
             "MissingImage", "spec.image is empty and the operator has no --default-image"
@@ -202,6 +217,7 @@ def parse_spec(raw: Any, default_image: str = "") -> InferenceServiceSpec:
     return InferenceServiceSpec(
         model=parse_model(spec["model"]),
         image=image,
+        gpu_image=gpu_image,
         image_pull_policy=spec["imagePullPolicy"],
         mode=mode,
         engine=EngineArgs(

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
+from baton.kv_transfer.checksum import SUM64, XXH3
 from baton.kv_transfer.keyring import KeyRing, new_secret
 from baton.kv_transfer.leases import Status
 from baton.kv_transfer.nixl import channel as nixl_channel
@@ -105,12 +106,16 @@ def test_split_runs_cuts_runs_into_chunks_in_order() -> None:
     assert chunks == [[(10, 0, 3)], [(13, 3, 2), (20, 9, 1)], [(21, 10, 1)]]
 
 
+@pytest.mark.parametrize("checksum", [XXH3, SUM64])
 def test_a_read_of_many_chunks_arrives_and_checks_every_chunk(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, checksum: str
 ) -> None:
-    """A read larger than one chunk lands whole; a changed block in a later chunk is caught."""
+    """A read larger than one chunk lands whole; a changed block in a later chunk is caught.
+    With sum64 (what a server with its cache in device memory names) the reader computes the
+    server's kind of checksum, not its own."""
     shape = (300, 1, 2, 2, 1, 8)  # 128 B blocks
     monkeypatch.setattr(nixl, "_CHUNK_BYTES", 64 * 128)  # 64 blocks a chunk: 4 chunks here
+    monkeypatch.setattr(nixl, "kind_for", lambda kv: checksum)
     served, local = make_cache(seed=4, shape=shape), torch.zeros_like(make_cache(shape=shape))
     server, reader = _transport(served), _transport(local)
     try:
@@ -119,6 +124,7 @@ def test_a_read_of_many_chunks_arrives_and_checks_every_chunk(
         result = _read(reader, _remote(server, "big", remote_ids), local_ids)
         assert result.ok, result.error
         assert torch.equal(as_bytes(local[local_ids]), as_bytes(served[remote_ids]))
+        assert server._hello.checksum == checksum
         server.lease("bad", remote_ids, time.time() + 30)
         server._leases._leases["bad"].crcs.result(timeout=5)
         served[150].view(torch.uint8).view(-1)[0] ^= 1

@@ -129,3 +129,11 @@ def test_the_operator_knows_its_namespace_the_gateway_url_and_the_canary() -> No
     args = parser.parse_args(with_gateway[with_gateway.index("operator") + 1 :])
     assert args.gateway_url == "http://baton-gateway.default.svc:8080"
     assert (args.operator_namespace, args.kv_canary_seconds) == ("default", 60.0)
+
+
+def test_gpu_pools_default_to_the_charts_cuda_image() -> None:
+    """The operator's GPU image is the chart's image with -cuda after the tag (the Dockerfile's
+    cuda target) unless operator.defaultGpuImage names another."""
+    args = operator_args("image.tag=9.9")
+    assert "--default-image=baton:9.9" in args and "--default-gpu-image=baton:9.9-cuda" in args
+    assert "--default-gpu-image=mine:gpu" in operator_args("operator.defaultGpuImage=mine:gpu")

@@ -373,3 +373,30 @@ def test_service_url_prefers_the_load_balancer() -> None:
     assert service_url(isvc, None) == "http://llama.serving.svc"
     lb = {"status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.7"}]}}}
     assert service_url(isvc, lb) == "http://203.0.113.7"
+
+
+def test_gpu_pools_run_the_cuda_image_unless_the_spec_names_one() -> None:
+    """With no spec.image, a pool that asks for nvidia.com/gpu runs the operator's
+    --default-gpu-image (the Dockerfile's cuda target) and everything else the default image;
+    a spec.image is used everywhere; without a GPU image the default image serves all."""
+    gpu = {"resources": {"limits": {"nvidia.com/gpu": 1}}}
+    spec = {"model": BASE["model"], "prefill": gpu, "decode": gpu | {"replicas": 1}}
+    cpu_decode = {"model": BASE["model"], "prefill": gpu}
+
+    def images(raw: dict[str, Any], *defaults: str) -> dict[str, str]:
+        isvc = {"metadata": ISVC_META | {"name": "llama"}, "spec": raw}
+        children = desired_children(isvc, parse_spec(raw, *defaults))
+        return {
+            c["metadata"]["name"]: container(c)["image"]
+            for c in children
+            if c["kind"] == "Deployment"
+        }
+
+    assert images(spec, "baton:2", "baton:2-cuda") == {
+        "llama-prefill": "baton:2-cuda",
+        "llama-decode": "baton:2-cuda",
+        "llama-router": "baton:2",
+    }
+    assert images(cpu_decode, "baton:2", "baton:2-cuda")["llama-decode"] == "baton:2"
+    assert set(images(spec | {"image": "mine:1"}, "baton:2", "baton:2-cuda").values()) == {"mine:1"}
+    assert set(images(spec, "baton:2").values()) == {"baton:2"}

@@ -71,7 +71,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=e.dtype)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=e.num_gpu_blocks_override)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=e.kv_cache_memory_bytes)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=e.gpu_memory_utilization,
+        help="this engine's share of its GPU's memory (weights and KV cache), as in vLLM; two "
+        "engines at 0.45 share one GPU (baton serve splits 0.9 among its engines)",
+    )
     parser.add_argument("--seed", type=int, default=e.seed)
     parser.add_argument("--scheduling-policy", default=e.scheduling_policy)
     parser.add_argument("--device", default=e.device)

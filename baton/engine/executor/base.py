@@ -32,8 +32,9 @@ class Executor(ABC):
         """Bytes of one KV block on one rank (its shard of the KV heads)."""
 
     @abstractmethod
-    def device_memory(self) -> tuple[int, int] | None:
-        """(free, total) bytes of the most constrained rank's device; None on CPU."""
+    def device_memory(self) -> tuple[int, int, int] | None:
+        """(free, total, held by the engine) bytes of the most constrained rank's device after
+        loading the model; None on CPU."""
 
     @abstractmethod
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -36,7 +36,7 @@ class WorkerReady:
 
     rank: int
     kv_bytes_per_block: int  # of this rank's shard of a block
-    device_memory: tuple[int, int] | None  # (free, total) after loading; None on CPU
+    device_memory: tuple[int, int, int] | None  # ModelRunner.device_memory(); None on CPU
 
 
 @dataclass(frozen=True)

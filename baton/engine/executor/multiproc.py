@@ -181,7 +181,8 @@ class MultiprocExecutor(Executor):
             raise
         self._kv_bytes_per_block = ready[0].kv_bytes_per_block
         memories = [r.device_memory for r in ready.values() if r.device_memory is not None]
-        self._device_memory = min(memories) if memories else None
+        # The rank with the least room for KV decides: min of (free, total, held) by free room.
+        self._device_memory = min(memories, key=lambda m: m[1] - m[2]) if memories else None
         logger.info("%d workers ready (pids %s)", n, [p.pid for p in workers.procs])
 
     @property
@@ -221,7 +222,7 @@ class MultiprocExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self._kv_bytes_per_block
 
-    def device_memory(self) -> tuple[int, int] | None:
+    def device_memory(self) -> tuple[int, int, int] | None:
         return self._device_memory
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from baton.engine.executor.base import Executor
 from baton.engine.models.config import ModelConfig
 from baton.engine.scheduler.output import SchedulerOutput
@@ -21,11 +19,8 @@ class UniProcExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self.runner.kv_bytes_per_block()
 
-    def device_memory(self) -> tuple[int, int] | None:
-        device = self.runner.device
-        if device.type != "cuda":
-            return None
-        return torch.cuda.mem_get_info(device)
+    def device_memory(self) -> tuple[int, int, int] | None:
+        return self.runner.device_memory()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

@@ -73,8 +73,8 @@ def run_worker(config: WorkerConfig) -> None:
         steps = ctx.socket(zmq.SUB)
         steps.setsockopt(zmq.SUBSCRIBE, b"")
         steps.connect(config.step_address)
-        memory = torch.cuda.mem_get_info(device) if device.type == "cuda" else None
-        push.send(pickle.dumps(WorkerReady(config.rank, runner.kv_bytes_per_block(), memory)))
+        ready = WorkerReady(config.rank, runner.kv_bytes_per_block(), runner.device_memory())
+        push.send(pickle.dumps(ready))
         _serve(ctx, config, runner, steps, push)
     except Exception as e:
         logger.exception("worker rank %d failed", config.rank)

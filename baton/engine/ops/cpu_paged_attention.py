@@ -1,17 +1,25 @@
 """Decode attention over the paged KV cache on CPUs, in C (`cpu_paged_attention.c`).
 
-Compiled on first use with the system C compiler into a per-user cache folder and loaded with
-ctypes: no build step at install time and no torch headers. Where no compiler is found, or
-for dtypes other than float32, `available()` is False and the caller keeps its torch path.
-`paged_decode_attention_reference` is the torch implementation the tests compare against.
+Loaded with ctypes (no torch headers), from one of two places:
+- compiled on first use with the system C compiler for this very CPU (``-march=native``) into
+  the cache folder (`baton.cache`), where a compiler is found;
+- else prebuilt: ``python -m baton.engine.ops.cpu_paged_attention --prebuild DIR`` compiles one
+  library per x86-64 microarchitecture level (v2, v3 with AVX2, v4 with AVX-512) at image build
+  time, and `$BATON_KERNEL_DIR` names that folder in a runtime image that carries no compiler;
+  the highest level this CPU supports is loaded.
+Where neither is found, or for dtypes other than float32, `available()` is False and the caller
+keeps its torch path. `paged_decode_attention_reference` is the torch implementation the tests
+compare against.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -25,35 +33,109 @@ from baton.cache import cache_dir
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_suffix(".c")
+KERNEL_DIR_ENV = "BATON_KERNEL_DIR"
 # Reassociation lets the dot products vectorize. Not -ffast-math: linking with it sets the
 # CPU's flush-to-zero mode for the whole process when the library loads.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
 _FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _LIMITS = {"group": 16, "head_dim": 256, "block_size": 64}  # MAX_* in the C source
+# x86-64 microarchitecture levels, highest first, with the /proc/cpuinfo flags each needs
+# beyond the one below it (the psABI's list, cut to the flags that name the level's gain).
+_X86_LEVELS = {
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "x86-64-v3": {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe"},
+    "x86-64-v2": {"sse4_1", "sse4_2", "ssse3", "popcnt", "cx16"},
+}
+
+
+def _key(march: str) -> str:
+    """The library's name for this source, these flags and `march`."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + march.encode())
+    return f"cpu_paged_attention-{key.hexdigest()[:16]}"
+
+
+def _compile(compiler: str, march: str, target: Path) -> bool:
+    """Compiles the kernel for `march` into `target` (atomically: concurrent engines never load
+    half a file); False, with the compiler's complaint logged, when it fails."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *_FLAGS, f"-march={march}", str(_SOURCE), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            logger.warning("compiling %s failed: %s", _SOURCE.name, result.stderr[-2000:])
+            return False
+        os.replace(built, target)
+    return True
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cpu_levels() -> list[str]:
+    """The x86-64 levels this CPU runs, highest first; [] elsewhere."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next(
+        (ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []
+    )
+    have, levels = set(flags), list(_X86_LEVELS)
+    # A level needs its own flags and every lower level's.
+    return [lv for i, lv in enumerate(levels) if all(_X86_LEVELS[x] <= have for x in levels[i:])]
+
+
+def _prebuilt() -> Path | None:
+    """The best library in `$BATON_KERNEL_DIR` this CPU can run, if any."""
+    folder = os.environ.get(KERNEL_DIR_ENV)
+    if not folder:
+        return None
+    for level in _cpu_levels():
+        path = Path(folder) / f"{_key(level)}.so"
+        if path.exists():
+            return path
+    logger.warning(
+        "%s=%s has no kernel this CPU runs (levels %s)", KERNEL_DIR_ENV, folder, _cpu_levels()
+    )
+    return None
+
+
+def prebuild(folder: Path) -> list[Path]:
+    """One library per x86-64 level in `folder`, for a runtime image without a compiler."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) to prebuild the CPU attention kernel with")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise RuntimeError(f"prebuilt kernels are x86-64 only; this is {platform.machine()}")
+    built = []
+    for level in _X86_LEVELS:
+        path = folder / f"{_key(level)}.so"
+        if not _compile(compiler, level, path):
+            raise RuntimeError(f"compiling the CPU attention kernel for {level} failed")
+        built.append(path)
+    return built
 
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention uses the torch path")
-        return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + os.uname().machine.encode())
-    target = cache_dir() / "kernels" / f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
-                capture_output=True,
-                text=True,
-            )
-            if result.returncode != 0:
-                logger.warning("compiling %s failed: %s", _SOURCE.name, result.stderr[-2000:])
-                return None
-            os.replace(built, target)  # atomic: concurrent engines never load half a file
+    compiler = _compiler()
+    if compiler is not None:
+        target = cache_dir() / "kernels" / f"{_key('native' + os.uname().machine)}.so"
+        if not target.exists() and not _compile(compiler, "native", target):
+            return None
+    else:
+        prebuilt = _prebuilt()
+        if prebuilt is None:
+            logger.warning("no C compiler and no prebuilt kernel: CPU decode attention uses torch")
+            return None
+        target = prebuilt
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -167,3 +249,10 @@ def paged_decode_attention_reference(
             scores[:, : int(starts[b])] = float("-inf")
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Prebuild the CPU attention kernel.")
+    parser.add_argument("--prebuild", type=Path, required=True, metavar="DIR")
+    for path in prebuild(parser.parse_args().prebuild):
+        print(path)

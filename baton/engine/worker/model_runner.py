@@ -182,6 +182,14 @@ class ModelRunner:
 
     # ---- KV cache ------------------------------------------------------------------------
 
+    def device_memory(self) -> tuple[int, int, int] | None:
+        """(free, total, held by this process) bytes of the device after loading; None on CPU.
+        What this process holds is torch's reservation: the weights and buffers."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free, total, torch.cuda.memory_reserved(self.device)
+
     def kv_bytes_per_block(self) -> int:
         c = self.model_config
         elems = c.num_layers * 2 * self.block_size * self.num_kv_heads * c.head_dim

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from baton.kv_transfer.checksum import XXH3
 from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.leases import Status
 from baton.kv_transfer.sockets import (
@@ -74,6 +75,7 @@ class Reply(msgspec.Struct, frozen=True):
     block_bytes: int = 0
     mem_type: str = "DRAM"
     device_id: int = 0
+    checksum: str = XXH3  # the kind of block checksum in `crcs` (checksum.py)
     # Lookup: the checksum of each asked block, in the order asked
     crcs: list[int] = []
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from baton.kv_transfer.base import KVTransferConfig, LoadSpec, TransferResult
-from baton.kv_transfer.checksum import block_bytes, block_crcs
+from baton.kv_transfer.checksum import KINDS, block_bytes, block_crcs, kind_for
 from baton.kv_transfer.keyring import KeyRing
 from baton.kv_transfer.leases import LeaseTable, Status, status_name
 from baton.kv_transfer.nixl.channel import (
@@ -115,7 +115,8 @@ class NixlTransport:
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg = self._agent.register_memory(kv_cache)
         self._kv = kv_cache
-        self._leases = LeaseTable(kv_cache, self.config.engine_id)
+        # Checksummed where the blocks live, so that a read from device memory stays zero-copy.
+        self._leases = LeaseTable(kv_cache, self.config.engine_id, kind_for(kv_cache))
         mem_type, device_id = _mem(kv_cache)
         self._hello = Reply(
             Status.OK,
@@ -126,6 +127,7 @@ class NixlTransport:
             block_bytes=self._leases.block_bytes,
             mem_type=mem_type,
             device_id=device_id,
+            checksum=self._leases.checksum,
         )
         self._server = SideChannelServer(
             self.config.host, self.config.port, self._leases, self._hello, self._agent, self.keys
@@ -219,7 +221,11 @@ class NixlTransport:
             return f"{status_name(reply.status)}: {where}", 0
         if len(reply.crcs) != len(remote_ids):
             return f"PROTOCOL: {len(reply.crcs)} checksums for {len(remote_ids)} blocks", 0
+        if peer.hello.checksum not in KINDS:
+            return f"PROTOCOL: unknown block checksum {peer.hello.checksum!r} from {where}", 0
 
+        # The server's kind, computed here wherever this side's blocks are (sum64 on a CPU reader
+        # of a GPU server is slow but correct; xxh3 on a GPU reader copies to the host).
         error, got = self._transfer_and_checksum(peer, remote_ids, local_ids, deadline)
         if error is not None:
             return error, 0
@@ -256,8 +262,8 @@ class NixlTransport:
                 ids = local_ids[done : done + count]
                 done += count
                 if len(chunks) == 1:
-                    return None, block_crcs(kv, ids)
-                pending.append(self._verify.submit(block_crcs, kv, ids))
+                    return None, block_crcs(kv, ids, peer.hello.checksum)
+                pending.append(self._verify.submit(block_crcs, kv, ids, peer.hello.checksum))
             got: list[int] = []
             for fut in pending:
                 got += fut.result(timeout=max(deadline - time.monotonic(), 0.0))

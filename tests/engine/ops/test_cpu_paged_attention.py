@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,3 +74,37 @@ def test_rejects_bad_arguments() -> None:
         cpa.paged_decode_attention(torch.zeros(1, 4, 16), cache, 0, tables, lens, 1.0)
     with pytest.raises(ValueError, match="one row per query"):
         cpa.paged_decode_attention(q, cache, 0, tables, torch.ones(2, dtype=torch.int32), 1.0)
+
+
+@pytest.mark.skipif(not cpa._cpu_levels(), reason="prebuilt kernels are x86-64 only")
+def test_a_prebuilt_kernel_serves_where_there_is_no_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the image does: `--prebuild DIR` at build time, then a runtime without a compiler
+    loads the highest level this CPU runs from $BATON_KERNEL_DIR, and it computes what the
+    reference does; with no folder either, the torch path is used (not a crash)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.engine.ops.cpu_paged_attention", "--prebuild", str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    assert len(out.stdout.split()) == 3 and len(list(tmp_path.glob("*.so"))) == 3
+    monkeypatch.setattr(cpa, "_compiler", lambda: None)
+    monkeypatch.setenv(cpa.KERNEL_DIR_ENV, str(tmp_path))
+    cpa._library.cache_clear()
+    try:
+        chosen = cpa._prebuilt()
+        assert chosen is not None and chosen.name == f"{cpa._key(cpa._cpu_levels()[0])}.so"
+        assert cpa.available(torch.float32, 8, 4, 32, 16)
+        g = torch.Generator().manual_seed(1)
+        cache = torch.randn(8, 1, 2, 16, 4, 32, generator=g)
+        tables = torch.tensor([[3, 1], [0, 7]], dtype=torch.int32)
+        seq_lens = torch.tensor([20, 9], dtype=torch.int32)
+        q = torch.randn(2, 8, 32, generator=g)
+        got = cpa.paged_decode_attention(q, cache, 0, tables, seq_lens, 32**-0.5)
+        ref = cpa.paged_decode_attention_reference(q, cache, 0, tables, seq_lens, 32**-0.5)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+        monkeypatch.setenv(cpa.KERNEL_DIR_ENV, str(tmp_path / "none"))
+        cpa._library.cache_clear()
+        assert not cpa.available(torch.float32, 8, 4, 32, 16)
+    finally:
+        cpa._library.cache_clear()
