@@ -200,8 +200,13 @@ def test_a_killed_decode_engine_does_not_end_the_stream(
 ) -> None:
     body = _body(route, max_tokens=200)  # longer than any burst of the paced engine
     want_text, want_ids = _single(stack, route, body)
-    before = _migrations(stack)
-    text, ids, chunks, _ = _stream_killed(stack, route, body, kill_after)
+    for _attempt in range(3):
+        before = _migrations(stack)
+        text, ids, chunks, _ = _stream_killed(stack, route, body, kill_after)
+        if "baton_migrations" in chunks[-1] or ids != want_ids:
+            break
+        # The whole answer had left the engine before the kill (on a loaded machine the client
+        # can lag the paced bursts): the premise did not hold, so the kill is tried again.
     assert ids == want_ids and text == want_text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["baton_migrations"] == 1

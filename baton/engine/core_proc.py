@@ -7,6 +7,7 @@ decodes ZMQ messages into `input_queue`, the output thread encodes what the loop
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -46,6 +47,9 @@ def run_engine_core(handshake_address: str, log_level: int = logging.INFO) -> No
     config = p.handshake_decoder.decode(handshake.recv())
     if not isinstance(config, p.CoreConfig):
         raise RuntimeError(f"expected the core config, got {type(config).__name__}")
+    # What the imports made lives as long as the process: out of the collector's way, so that
+    # its full passes (set off by the block pool's many small objects) do not walk torch's.
+    gc.freeze()
     try:
         core = EngineCore(config.engine_args)
     except Exception as e:  # the server reports it and exits: a bad model is not a crash loop

@@ -7,6 +7,14 @@ and a link to the file), so that everything that reads a model folder (ModelConf
 tokenizer, the compatibility fingerprint) reads this one unchanged; `iter_weights` then reads
 the weights from the file itself, dequantized to float32 by the `gguf` package and renamed to
 Hugging Face's names, with llama.cpp's reordering of Llama's q/k rows undone.
+
+Parsing a GGUF header (its vocabulary) and dequantizing took about 2 s each per engine start on
+SmolLM2-135M, so the prepared folder also keeps what they produce: the weights' identity
+(`IDENTITY_FILE`) and, for files whose float32 weights fit in `DEQUANTIZED_MAX_BYTES`, the
+dequantized weights as one safetensors file (`DEQUANTIZED_FILE`), written by the first load
+while it streams the tensors to the model. Later starts read neither the header nor the
+quantized data. Both are derived from the file alone, so an engine that used them and one that
+did not agree on the compatibility fingerprint.
 """
 
 from __future__ import annotations
@@ -219,8 +227,72 @@ def _check_tensor_types(reader: GGUFReader) -> None:
         )
 
 
+IDENTITY_FILE = "weights-identity"
+DEQUANTIZED_FILE = "dequantized.safetensors.cache"  # not *.safetensors: not a weight file
+DEQUANTIZED_MAX_BYTES = 4 << 30
+
+
 def iter_weights(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of GGUF `file` as (Hugging Face name, float32 tensor)."""
+    """Every tensor of GGUF `file` as (Hugging Face name, float32 tensor): from the prepared
+    folder's dequantized copy where there is one, else dequantized, writing that copy."""
+    cached = file.parent / DEQUANTIZED_FILE
+    if cached.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(cached), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+        return
+    tensors = _dequantize(file)
+    if file.is_symlink() and os.access(file.parent, os.W_OK):  # a folder `prepare` wrote
+        tensors = _writing_copy(tensors, _tensor_table(file), cached)
+    yield from tensors
+
+
+def _tensor_table(file: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """(Hugging Face name, shape) of each tensor, in the file's order."""
+    return [
+        (hf_name(t.name), tuple(int(n) for n in reversed(t.shape.tolist())))
+        for t in _reader(file).tensors
+    ]
+
+
+def _writing_copy(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    table: list[tuple[str, tuple[int, ...]]],
+    target: Path,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, passed through while written to `target` as float32 safetensors (the header
+    is known from `table` before any data), renamed in only once every tensor was written."""
+    sizes = [4 * int(np.prod(shape)) for _, shape in table]
+    if sum(sizes) > DEQUANTIZED_MAX_BYTES:
+        yield from tensors
+        return
+    header: dict[str, Any] = {}
+    at = 0
+    for (name, shape), size in zip(table, sizes, strict=True):
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + size]}
+        at += size
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    done = False
+    try:
+        with open(tmp, "wb") as out:
+            out.write(len(head).to_bytes(8, "little") + head)
+            for (name, tensor), (want, _) in zip(tensors, table, strict=True):
+                if name != want:
+                    raise ValueError(f"GGUF tensor {name!r} came where {want!r} was expected")
+                out.write(tensor.contiguous().numpy().tobytes())
+                yield name, tensor
+        os.replace(tmp, target)
+        done = True
+    finally:
+        if not done:
+            tmp.unlink(missing_ok=True)
+
+
+def _dequantize(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     reader = _reader(file)
@@ -276,9 +348,24 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def weights_identity_update(h: Any, file: Path) -> None:
-    """Feeds `h` (a hashlib hash) the file's metadata and tensor table (all bytes before the
-    tensor data) and 64 bytes at the start, middle and end of every tensor, as
-    `compatibility.weights_identity` does for safetensors."""
+    """Feeds `h` (a hashlib hash) the identity of the file's weights: a hash of its metadata and
+    tensor table (all bytes before the tensor data) and 64 bytes at the start, middle and end of
+    every tensor, as `compatibility.weights_identity` reads safetensors. Kept in the prepared
+    folder after the first computation."""
+    kept = file.parent / IDENTITY_FILE
+    if kept.is_file():
+        h.update(bytes.fromhex(kept.read_text().strip()))
+        return
+    digest = _weights_identity(file)
+    if file.is_symlink() and os.access(file.parent, os.W_OK):
+        tmp = kept.with_name(f".{kept.name}.{os.getpid()}")
+        tmp.write_text(digest.hex())
+        os.replace(tmp, kept)
+    h.update(digest)
+
+
+def _weights_identity(file: Path) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
     reader = _reader(file)
     with open(file, "rb") as f:
         h.update(file.name.encode() + b"\0" + f.read(reader.data_offset))
@@ -287,6 +374,7 @@ def weights_identity_update(h: Any, file: Path) -> None:
             size = int(t.n_bytes)
             for at in (0, max(0, size // 2 - 32), max(0, size - 64)):
                 h.update(os.pread(fd, min(64, size), int(t.data_offset) + at))
+    return h.digest()
 
 
 # ---- the tokenizer ---------------------------------------------------------------------------

@@ -79,14 +79,20 @@ def load_model(
     with torch.device("meta"):
         model = model_class(config, max_positions, tp)
     layout = model.layout
-    model = model.to_empty(device=device).to(dtype)
+    # Like to_empty(device).to(dtype) without the float32 copy, and without to_empty's path
+    # through torch's Python reference ops (its lazy sympy import alone cost ~0.3 s a start).
+    model = model._apply(
+        lambda t: torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device
+        )
+    )
     if layout.vocab_start + layout.vocab_per_rank > config.vocab_size:
         with torch.no_grad():  # padding rows past the vocabulary: never read, kept finite
             model.embed_tokens.weight.zero_()
             model.lm_head.weight.zero_()
     # Buffers (rope tables) were created on meta, then cast: rebuild them, in float32.
     model.rotary.reset_tables(device)
-    if config.tie_word_embeddings:  # to_empty made separate tensors: tie them again
+    if config.tie_word_embeddings:  # _apply made separate tensors: tie them again
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     sizes = {  # this rank's

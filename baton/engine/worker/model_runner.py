@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,6 +154,19 @@ def attention_specs(config: ModelConfig) -> list[AttentionSpec]:
     ]
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on CPU backed by anonymous memory, whose pages the kernel hands out as
+    zeros when first touched: a 4 GiB KV cache is ready at once instead of after writing 4 GiB
+    of zeros (1.6 s on one core), and takes memory only as blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # The tensor holds the mapping (frombuffer keeps its buffer alive); unmapped when freed.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 class ModelRunner:
     """Runs the model (one tensor-parallel rank's shard of it) over its paged KV cache.
 
@@ -198,7 +213,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> torch.Tensor:
         c = self.model_config
         shape = (num_blocks, c.num_layers, 2, self.block_size, self.num_kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+        self.kv_cache = zeroed(shape, self.config.dtype, self.device)
         return self.kv_cache
 
     # ---- one step ------------------------------------------------------------------------

@@ -289,6 +289,53 @@ def test_fingerprint_hashes_the_gguf_weights(tiny_model, tmp_path):
     assert weights_identity([a]) != weights_identity([b])
 
 
+def test_a_second_start_reads_neither_the_header_nor_the_quantized_data(
+    tiny_model, tmp_path, monkeypatch
+):
+    """The first load of a prepared folder keeps the weights' identity and the dequantized
+    weights beside it; a later start gets the same identity and the same tensors from them
+    without parsing the file (the parser is made to fail), and a file loaded from outside a
+    prepared folder writes nothing."""
+    from baton.engine.compatibility import weights_identity
+    from baton.engine.models import gguf
+    from baton.engine.models.loader import weight_files
+
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "m.gguf"
+    write_gguf(tiny_model("llama"), source, "Q4_1")
+    prepared = resolve_model(str(source))
+    fresh_identity = weights_identity(weight_files(prepared))
+    first = dict(gguf.iter_weights(prepared / "m.gguf"))
+    assert (prepared / gguf.IDENTITY_FILE).is_file()
+    assert (prepared / gguf.DEQUANTIZED_FILE).is_file()
+    assert weight_files(prepared) == [prepared / "m.gguf"]  # the copy is not a weight file
+
+    def no_parsing(file: Path) -> Any:
+        raise AssertionError(f"parsed {file}")
+
+    monkeypatch.setattr(gguf, "_reader", no_parsing)
+    assert weights_identity(weight_files(prepared)) == fresh_identity
+    again = dict(gguf.iter_weights(prepared / "m.gguf"))
+    assert list(again) == list(first)
+    for name, tensor in first.items():
+        assert torch.equal(again[name], tensor), name
+    monkeypatch.undo()
+    dict(gguf.iter_weights(source))  # a user's own file: nothing is written beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "m.gguf"]
+
+
+def test_a_load_that_stops_early_leaves_no_dequantized_copy(tiny_model, tmp_path, monkeypatch):
+    from baton.engine.models import gguf
+
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+    write_gguf(tiny_model("llama"), tmp_path / "m.gguf", "Q8_0")
+    prepared = resolve_model(str(tmp_path / "m.gguf"))
+    weights = gguf.iter_weights(prepared / "m.gguf")
+    next(weights)
+    weights.close()  # as when the loader raises on a tensor
+    assert sorted(p.name for p in prepared.iterdir() if "dequantized" in p.name) == []
+
+
 def _write_raw(out: Path, arch: str, qtype: Any) -> None:
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(1)
