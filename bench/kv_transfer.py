@@ -21,6 +21,11 @@ picks its transports from the environment (``UCX_TLS``; shared memory between tw
 Aim (issue 4): NIXL over shared memory >= 0.8x memcpy.
 
     python bench/kv_transfer.py [--json out/kv_transfer.json]
+    python bench/kv_transfer.py --sizes 1 4 16 --tcp-only --modes warm --interleave
+
+``--sizes`` (MiB) replaces the main table's sizes; ``--tcp-only`` leaves out the staged and NIXL
+tables; ``--interleave`` alternates a TCP read and a raw read in one loop (both see the same
+machine state; without it all TCP reads run before all raw reads, as in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,19 +74,24 @@ STAGED_REPEATS = {16: 100, 256: 20, 1024: 8}
 os.environ.setdefault(SECRET_ENV, new_secret())
 
 
+def repeats(n: int) -> int:
+    """Transfers timed for n blocks."""
+    return REPEATS.get(n, max(5, min(300, 4800 // n)))
+
+
 def make_cache() -> torch.Tensor:
     # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     return torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
 
 
-def _child(port_q: Any, stop: Any) -> None:
+def _child(port_q: Any, stop: Any, sizes: tuple[int, ...]) -> None:
     """Block server plus a raw socket server over the same cache, until stop is set."""
     cache = make_cache()
     keys = KeyRing.load()
     srv = KVBlockServer(cache, ENGINE, keys)
-    for n in SIZES:
+    for n in sizes:
         for mode in ("cold", "warm"):
-            for i in range(REPEATS[n] + 1):  # +1 for the warm-up read
+            for i in range(repeats(n) + 1):  # +1 for the warm-up read
                 srv.leases.lease(f"{mode}-{n}-{i}", list(range(n)), time.time() + 600)
     kv_port = srv.start()
     staging = StagingPool(cache)
@@ -139,11 +149,11 @@ def raw_read(sock: socket.socket, view: memoryview) -> None:
     sock.sendall(b"\x01")
 
 
-def timed(fn: Any, repeats: int) -> float:
-    """Median seconds of fn() over repeats calls, after one warm-up."""
+def timed(fn: Any, count: int) -> float:
+    """Median seconds of fn() over count calls, after one warm-up."""
     fn(-1)
     times = []
-    for i in range(repeats):
+    for i in range(count):
         start = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - start)
@@ -170,6 +180,7 @@ def measure(
     local: torch.Tensor,
     src: torch.Tensor,
     flat: memoryview,
+    interleave: bool = False,
 ) -> dict[str, Any]:
     """One row: n blocks over new connections (cold) or over one kept open (warm)."""
     nbytes = n * block_bytes(local)
@@ -195,15 +206,30 @@ def measure(
     def memcpy(i: int) -> None:
         local[:n].copy_(src[:n])
 
+    def both(count: int) -> tuple[float, float]:
+        """Median seconds of kv and of raw, alternating."""
+        kv(-1)
+        raw(-1)
+        t: dict[Any, list[float]] = {kv: [], raw: []}
+        for i in range(count):
+            for fn in (kv, raw):
+                start = time.perf_counter()
+                fn(i)
+                t[fn].append(time.perf_counter() - start)
+        return tuple(sorted(v)[len(v) // 2] for v in t.values())  # type: ignore[return-value]
+
     try:
-        t_kv = timed(kv, REPEATS[n])
-        t_raw = timed(raw, REPEATS[n])
+        if interleave:
+            t_kv, t_raw = both(repeats(n))
+        else:
+            t_kv = timed(kv, repeats(n))
+            t_raw = timed(raw, repeats(n))
     finally:
         if pool is not None:
             pool.close()
         if raw_sock is not None:
             raw_sock.close()  # before the next row: the raw server serves one connection at a time
-    t_mem = timed(memcpy, REPEATS[n])
+    t_mem = timed(memcpy, repeats(n))
     return {
         "blocks": n,
         "bytes": nbytes,
@@ -311,11 +337,25 @@ def measure_nixl(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--sizes", type=float, nargs="+", metavar="MIB", help="the main table's sizes, in MiB"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=("cold", "warm"), default=["cold", "warm"], help="rows"
+    )
+    parser.add_argument(
+        "--tcp-only", action="store_true", help="leave out the staged and NIXL tables"
+    )
+    parser.add_argument(
+        "--interleave", action="store_true", help="alternate TCP and raw reads in one loop"
+    )
     args = parser.parse_args()
+    bpb = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
+    sizes = tuple(max(1, round(m * 2**20 / bpb)) for m in args.sizes) if args.sizes else SIZES
 
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_child, args=(port_q, stop), daemon=True)
+    child = ctx.Process(target=_child, args=(port_q, stop, sizes), daemon=True)
     child.start()
     rows: list[dict[str, Any]] = []
     nixl_rows: list[dict[str, Any]] = []
@@ -326,12 +366,12 @@ def main() -> None:
         local = torch.zeros(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         src = make_cache()
         flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
-        for n in SIZES:
-            for mode in ("cold", "warm"):
-                rows.append(measure(n, mode, kv_port, raw_port, local, src, flat))
-        for n in STAGED_SIZES:
+        for n in sizes:
+            for mode in args.modes:
+                rows.append(measure(n, mode, kv_port, raw_port, local, src, flat, args.interleave))
+        for n in () if args.tcp_only else STAGED_SIZES:
             staged_rows.append(measure_staged(n, kv_port, staged_port, local))
-        if nixl_peer is not None:
+        if nixl_peer is not None and not args.tcp_only:
             reader = NixlTransport(
                 KVTransferConfig(role="decode", transport="nixl"), KeyRing.load()
             )
@@ -346,7 +386,7 @@ def main() -> None:
         if child.is_alive():
             child.kill()
 
-    cost = checksum_cost(NUM_BLOCKS * 64 * 1024)
+    cost = checksum_cost(NUM_BLOCKS * bpb)
     print(
         f"{'blocks':>6} {'MiB':>8} {'conn':>5} {'tcp GB/s':>9} {'raw GB/s':>9} {'memcpy GB/s':>11} "
         f"{'tcp/raw':>8} {'tcp/memcpy':>10}"
@@ -358,6 +398,12 @@ def main() -> None:
             f"{r['tcp_vs_memcpy']:>10.2f}"
         )
     print(f"checksum: xxh3 {cost['xxh3_gbps']:.2f} GB/s (zlib crc32 {cost['crc32_gbps']:.2f} GB/s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        out = {"rows": rows, "nixl_rows": nixl_rows, "staged_rows": staged_rows, "checksum": cost}
+        args.json.write_text(json.dumps(out, indent=2))
+    if args.tcp_only:
+        return
     print("\nTCP staged through host buffers (both sides) against direct, warm")
     print(f"{'blocks':>6} {'MiB':>8} {'direct GB/s':>11} {'staged GB/s':>11} {'staged/direct':>13}")
     for r in staged_rows:
@@ -379,10 +425,6 @@ def main() -> None:
             )
     else:
         print(f"\nNIXL left out: {NIXL_MISSING}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"rows": rows, "nixl_rows": nixl_rows, "staged_rows": staged_rows, "checksum": cost}
-        args.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -327,6 +328,15 @@ def run_offline(
 # ---------------------------------------------------------------- CLI
 
 
+def _cpus(text: str) -> set[int]:
+    """CPU numbers from '0', '0,2' or '1-3'."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -349,6 +359,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline-baseline", action="store_true", help="also run baton.LLM offline")
     p.add_argument("--model-path", default=None, help="model folder for --offline-baseline")
     p.add_argument("--max-model-len", type=int, default=None, help="for --offline-baseline")
+    p.add_argument(
+        "--client-cpus",
+        type=_cpus,
+        default=None,
+        help="pin the load generator to these CPUs, e.g. 0 (start the server pinned elsewhere: "
+        "taskset -c 1 baton engine ...)",
+    )
+    p.add_argument(
+        "--offline-cpus",
+        type=_cpus,
+        default=None,
+        help="pin the offline baseline to these CPUs: the server's, so that the ratio is the "
+        "server's overhead on the same compute",
+    )
     return p
 
 
@@ -397,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     requests = workload(config)
+    if args.client_cpus is not None:
+        os.sched_setaffinity(0, args.client_cpus)
     try:
         result = asyncio.run(run_benchmark(config, requests))
     except RuntimeError as e:
@@ -405,6 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(result))
     offline: dict[str, float] | None = None
     if args.offline_baseline:
+        if args.offline_cpus is not None:  # before torch loads: its thread count follows
+            os.sched_setaffinity(0, args.offline_cpus)
         tokens, seconds = run_offline(args.model_path, requests, args.max_model_len)
         offline_tput = tokens / seconds
         ratio = result.metrics["output_throughput"] / offline_tput

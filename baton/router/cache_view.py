@@ -49,7 +49,10 @@ class CacheView:
         computed directly, and exact numbers for the hand-off's decisions (`cached_tokens`)."""
         home = self.sent_fractions(engines, prompt)
         held = self._exact_fractions(engines, prompt)
-        return {e: max(held.get(e, 0.0), home[e]) for e in engines}
+        for engine, fraction in held.items():
+            if fraction > home[engine]:
+                home[engine] = fraction
+        return home
 
     def _exact_fractions(self, engines: Sequence[str], prompt: Prompt) -> dict[str, float]:
         """The fraction each engine holds, for the engines it can be told of exactly."""
@@ -67,8 +70,12 @@ class CacheView:
         """For each engine, the fraction of the prompt the router has sent it before (the
         approximate index): a guess of what it holds, and where the prompt's family lives."""
         hashes = prompt.block_hashes(self.block_chars)
-        held = self.approximate.match(hashes, engines) if hashes else {}
-        return {engine: held.get(engine, 0) / max(1, len(hashes)) for engine in engines}
+        fractions = dict.fromkeys(engines, 0.0)
+        if hashes:
+            for engine, blocks in self.approximate.match(hashes, engines).items():
+                if blocks:
+                    fractions[engine] = blocks / len(hashes)
+        return fractions
 
     def cached_tokens(self, engine: str, prompt: Prompt) -> int | None:
         """The prompt's tokens `engine` holds, when known exactly."""

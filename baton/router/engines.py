@@ -23,8 +23,9 @@ class EngineState:
     """One engine as the router sees it. Mutated only on the router's event loop."""
 
     endpoint: Endpoint
-    # Served model names: the endpoint's when discovery knows it, else from GET /v1/models.
-    models: tuple[str, ...] = ()
+    # Served model names (`models`): the endpoint's when discovery knows it, else from GET
+    # /v1/models.
+    _models: tuple[str, ...] = ()
     cards: dict[str, dict[str, Any]] = field(default_factory=dict)  # model id -> /v1/models card
     _healthy: bool = False  # `healthy`
     checked: bool = False  # an active check has finished at least once
@@ -47,10 +48,27 @@ class EngineState:
     # Called when the engine comes up (`healthy` turns true): requests held for its models
     # may go on. Set by `EngineSet`.
     on_up: Callable[[EngineState], None] | None = field(default=None, repr=False)
+    # Called when `models` changes (`EngineSet` indexes the engines by model). Set by it.
+    on_models: Callable[[], None] | None = field(default=None, repr=False)
+    # The endpoint's, as plain attributes: read for every candidate of every request.
+    url: str = field(init=False)
+    role: Role = field(init=False)
 
     def __post_init__(self) -> None:
+        self.url = self.endpoint.url
+        self.role = self.endpoint.role
         if self.endpoint.model is not None and not self.models:
             self.models = (self.endpoint.model,)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self._models
+
+    @models.setter
+    def models(self, models: tuple[str, ...]) -> None:
+        self._models = models
+        if self.on_models is not None:
+            self.on_models()
 
     @property
     def healthy(self) -> bool:
@@ -64,14 +82,6 @@ class EngineState:
         self._healthy = ok
         if came_up and self.on_up is not None:
             self.on_up(self)
-
-    @property
-    def url(self) -> str:
-        return self.endpoint.url
-
-    @property
-    def role(self) -> Role:
-        return self.endpoint.role
 
     def available(self, now: float) -> bool:
         """Healthy by its last check, not ejected, and its models known."""
@@ -98,6 +108,10 @@ class EngineSet:
     def __init__(self, on_up: Callable[[EngineState], None] | None = None) -> None:
         self._engines: dict[str, EngineState] = {}
         self._on_up = on_up
+        # (model, roles) -> its engines, in discovery order: asked several times per request,
+        # so kept, and made again only after the set or an engine's models change.
+        self._of_model: dict[tuple[str, tuple[Role, ...]], tuple[EngineState, ...]] = {}
+        self._by_model: dict[str, list[EngineState]] | None = None  # None: to be made again
 
     def __iter__(self) -> Iterator[EngineState]:
         return iter(list(self._engines.values()))
@@ -114,31 +128,59 @@ class EngineSet:
         removed = [s for url, s in self._engines.items() if wanted.get(url) != s.endpoint]
         for state in removed:
             del self._engines[state.url]
+            state.on_models = None
         added = []
         for url, endpoint in wanted.items():
             if url not in self._engines:
-                state = EngineState(endpoint, on_up=self._on_up)
+                state = EngineState(endpoint, on_up=self._on_up, on_models=self._changed)
                 self._engines[url] = state
                 added.append(state)
+        if added or removed:
+            self._changed()
         return added, removed
+
+    def _changed(self) -> None:
+        self._of_model.clear()
+        self._by_model = None
+
+    def _index(self) -> dict[str, list[EngineState]]:
+        """Model -> the known engines serving it, in discovery order."""
+        if self._by_model is None:
+            self._by_model = {}
+            for state in self._engines.values():
+                for model in state.models:
+                    self._by_model.setdefault(model, []).append(state)
+        return self._by_model
 
     def models(self) -> list[str]:
         """Every model some known engine serves, sorted."""
-        return sorted({m for s in self._engines.values() for m in s.models})
+        return sorted(self._index())
+
+    def serves(self, model: str) -> bool:
+        """Whether some known engine serves `model`."""
+        return model in self._index()
+
+    def _of(self, model: str, roles: Collection[Role]) -> tuple[EngineState, ...]:
+        key = (model, tuple(roles))
+        engines = self._of_model.get(key)
+        if engines is None:
+            engines = tuple(s for s in self._index().get(model, ()) if s.role in roles)
+            self._of_model[key] = engines
+        return engines
 
     def of_model(self, model: str, roles: Collection[Role]) -> list[EngineState]:
         """Known engines (available or not) serving `model` in one of `roles`."""
-        return [s for s in self._engines.values() if s.role in roles and model in s.models]
+        return list(self._of(model, roles))
 
     def any_up(self, model: str, roles: Collection[Role]) -> bool:
         """Whether an engine of `model` in one of `roles` passed its last health check (an
         ejected one that passed since is up, though not yet available)."""
-        return any(s.healthy for s in self.of_model(model, roles))
+        return any(s.healthy for s in self._of(model, roles))
 
     def available(self, model: str, roles: Collection[Role]) -> list[EngineState]:
         """Engines serving `model` in one of `roles` that may take a request now."""
         now = time.monotonic()
-        return [s for s in self.of_model(model, roles) if s.available(now)]
+        return [s for s in self._of(model, roles) if s.available(now)]
 
     def disaggregated_models(self) -> list[str]:
         """Every model some known prefill or decode engine serves, sorted."""

@@ -64,6 +64,9 @@ class Holds:
             self._queues[model] = deque()
             self.metrics.hold_model(model)
 
+    def knows(self, model: str) -> bool:
+        return model in self._queues
+
     def models(self) -> list[str]:
         """Every model known, sorted."""
         return sorted(self._queues)

@@ -337,6 +337,8 @@ class Router:
     def resolve_model(self, model: object) -> str:
         """The model a request names; the only one served when it names none. Served: the
         models of the known engines, `served_models`, and every model discovery has shown."""
+        if isinstance(model, str) and (self.engines.serves(model) or self.holds.knows(model)):
+            return model  # the common case, without listing every model
         served = sorted({*self.engines.models(), *self.holds.models()})
         if model is None:
             if len(served) == 1:

@@ -143,7 +143,7 @@ class MultiprocExecutor(Executor):
         self._received = 0  # outputs read so far
         self._outputs: dict[int, ModelRunnerOutput] = {}
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        threads = max(1, (os.cpu_count() or 1) // n)
+        threads = max(1, len(os.sched_getaffinity(0)) // n)  # the CPUs this engine may use
         env = dict(os.environ)
         # The workers import baton as this process does, wherever it came from.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

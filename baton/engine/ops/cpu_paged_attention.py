@@ -7,9 +7,9 @@ Loaded with ctypes (no torch headers), from one of two places:
   library per x86-64 microarchitecture level (v2, v3 with AVX2, v4 with AVX-512) at image build
   time, and `$BATON_KERNEL_DIR` names that folder in a runtime image that carries no compiler;
   the highest level this CPU supports is loaded.
-Where neither is found, or for dtypes other than float32, `available()` is False and the caller
-keeps its torch path. `paged_decode_attention_reference` is the torch implementation the tests
-compare against.
+Where neither is found, or for caches other than float32 and bfloat16, `available()` is False
+and the caller keeps its torch path. `paged_decode_attention_reference` is the torch
+implementation the tests compare against.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ KERNEL_DIR_ENV = "BATON_KERNEL_DIR"
 _FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
 _FLAGS += ["-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _LIMITS = {"group": 16, "head_dim": 256, "block_size": 64}  # MAX_* in the C source
+_ENTRY = {
+    torch.float32: "paged_decode_attention_f32",
+    torch.bfloat16: "paged_decode_attention_bf16",
+}
 # x86-64 microarchitecture levels, highest first, with the /proc/cpuinfo flags each needs
 # beyond the one below it (the psABI's list, cut to the flags that name the level's gain).
 _X86_LEVELS = {
@@ -137,11 +141,11 @@ def _library() -> ctypes.CDLL | None:
             return None
         target = prebuilt
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, ctypes.c_float, ptr, i32]
-    fn.restype = None
+    for fn in (lib.paged_decode_attention_f32, lib.paged_decode_attention_bf16):
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32]
+        fn.argtypes += [ctypes.c_float, ctypes.c_float, ptr, i32]
+        fn.restype = None
     return lib
 
 
@@ -149,7 +153,7 @@ def available(
     dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> bool:
     return (
-        dtype == torch.float32
+        dtype in _ENTRY
         and num_heads // num_kv_heads <= _LIMITS["group"]
         and head_dim <= _LIMITS["head_dim"]
         and block_size <= _LIMITS["block_size"]
@@ -158,7 +162,7 @@ def available(
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [batch, num_heads, head_dim] float32
+    q: torch.Tensor,  # [batch, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
     layer: int,
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
@@ -170,7 +174,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
     """One query token per request attending to its context in the paged cache: the keys at
     positions `starts[b]..seq_lens[b] - 1` (all of them without `starts`); blocks wholly before
-    `starts[b]` are never read."""
+    `starts[b]` are never read. A float32 or bfloat16 cache; computed in float32, returned in
+    q's dtype."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the CPU attention kernel is not available (no C compiler?)")
@@ -178,8 +183,10 @@ def paged_decode_attention(
     batch, num_heads, q_dim = q.shape
     if two != 2 or q_dim != head_dim or not 0 <= layer < num_layers:
         raise ValueError(f"q {tuple(q.shape)} does not fit kv_cache {tuple(kv_cache.shape)}")
-    if q.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        raise ValueError("the CPU attention kernel takes float32 q and kv_cache")
+    if kv_cache.dtype not in _ENTRY or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"the CPU attention kernel takes a float32 or bfloat16 kv_cache, got {kv_cache.dtype}"
+        )
     if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
         raise ValueError("kv_cache must be a contiguous CPU tensor")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
@@ -194,11 +201,12 @@ def paged_decode_attention(
         starts = starts.contiguous()
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
-    q = q.contiguous()
+    dtype = q.dtype
+    q = q.to(torch.float32).contiguous()
     seq_lens = seq_lens.contiguous()
     out = torch.empty_like(q)
     layer_view = kv_cache[0, layer]
-    lib.paged_decode_attention_f32(
+    getattr(lib, _ENTRY[kv_cache.dtype])(
         q.data_ptr(),
         layer_view.data_ptr(),
         kv_cache.stride(0),
@@ -217,7 +225,7 @@ def paged_decode_attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
-    return out
+    return out.to(dtype)
 
 
 def paged_decode_attention_reference(

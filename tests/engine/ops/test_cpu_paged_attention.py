@@ -60,6 +60,34 @@ def test_matches_reference(
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 64), (6, 3, 24)]
+)
+def test_a_bfloat16_cache_matches_the_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """A bfloat16 cache (values widened to float32 as loaded) and a bfloat16 query: the result
+    equals the float32 reference on the same bfloat16 values, rounded to bfloat16, with a
+    sliding window and soft-capping too."""
+    g = torch.Generator().manual_seed(3)
+    block_size, num_blocks = 16, 48
+    cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=g)
+    cache = cache.to(torch.bfloat16)
+    seq_lens = torch.tensor([1, 16, 17, 100, 250], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:16] for _ in seq_lens])
+    tables = tables.to(torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(torch.bfloat16)
+    starts = torch.tensor([0, 3, 0, 40, 200], dtype=torch.int32)
+    for kwargs in ({}, {"starts": starts, "softcap": 30.0}):
+        got = cpa.paged_decode_attention(q, cache, 1, tables, seq_lens, 0.125, **kwargs)
+        ref = cpa.paged_decode_attention_reference(
+            q.float(), cache, 1, tables, seq_lens, 0.125, **kwargs
+        )
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, ref.to(torch.bfloat16), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
+
+
 def test_rejects_bad_arguments() -> None:
     """The launcher checks dtypes and shapes instead of reading out of bounds."""
     cache = torch.zeros(4, 1, 2, 16, 2, 32)
@@ -68,8 +96,8 @@ def test_rejects_bad_arguments() -> None:
     lens = torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="int32"):
         cpa.paged_decode_attention(q, cache, 0, tables.long(), lens, 1.0)
-    with pytest.raises(ValueError, match="float32"):
-        cpa.paged_decode_attention(q.half(), cache, 0, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="float32 or bfloat16 kv_cache"):
+        cpa.paged_decode_attention(q, cache.half(), 0, tables, lens, 1.0)
     with pytest.raises(ValueError, match="does not fit"):
         cpa.paged_decode_attention(torch.zeros(1, 4, 16), cache, 0, tables, lens, 1.0)
     with pytest.raises(ValueError, match="one row per query"):
