@@ -10,11 +10,12 @@ blocks. Two kinds of block value, named by the serving side:
   zero-copy. The block's 32-bit words, each times a fixed odd 64-bit weight for its position,
   summed modulo 2**64: two torch ops, the same value on any device. One changed word always changes
   it (an odd weight times a nonzero difference under 2**32 is never 0 modulo 2**64); a torn,
-  stale, zeroed or misplaced block differs in many words and matches by chance about once in 2**60
-  or fewer. It is linear, so it is no defence against a peer that crafts blocks: the channel's
-  keys are (see ``keyring.py``). It reads each word once and writes a 64-bit product, so it is
-  bound by memory bandwidth on a GPU; on a CPU it ran at about 0.4 GB/s on one core, which is why
-  host blocks keep xxh3 (bench/checksum.py prints both).
+  stale, zeroed or misplaced block differs in many words and matches by chance with a
+  probability of about 2**-(64 - v), v the trailing zero bits every changed word's difference
+  shares (few for real data, whose low bits differ). It is linear, so it is no defence against a
+  peer that crafts blocks: the channel's keys are (see ``keyring.py``). It reads each word once
+  and writes a 64-bit product, so it is bound by memory bandwidth on a GPU; on a CPU it ran at
+  0.3-0.4 GB/s on one core, which is why host blocks keep xxh3 (bench/checksum.py prints both).
 """
 
 from __future__ import annotations

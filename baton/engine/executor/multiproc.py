@@ -181,8 +181,13 @@ class MultiprocExecutor(Executor):
             raise
         self._kv_bytes_per_block = ready[0].kv_bytes_per_block
         memories = [r.device_memory for r in ready.values() if r.device_memory is not None]
-        # The rank with the least room for KV decides: min of (free, total, held) by free room.
-        self._device_memory = min(memories, key=lambda m: m[1] - m[2]) if memories else None
+        # Every rank holds its shard of each block: the budget must fit the tightest rank, so
+        # take the least free, the smallest device and the most held of any rank.
+        self._device_memory = (
+            (min(m[0] for m in memories), min(m[1] for m in memories), max(m[2] for m in memories))
+            if memories
+            else None
+        )
         logger.info("%d workers ready (pids %s)", n, [p.pid for p in workers.procs])
 
     @property
