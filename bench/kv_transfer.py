@@ -84,8 +84,11 @@ def make_cache() -> torch.Tensor:
     return torch.randn(NUM_BLOCKS, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
 
 
-def _child(port_q: Any, stop: Any, sizes: tuple[int, ...]) -> None:
+def _child(port_q: Any, stop: Any, sizes: tuple[int, ...], cpus: set[int] | None) -> None:
     """Block server plus a raw socket server over the same cache, until stop is set."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(len(cpus))
     cache = make_cache()
     keys = KeyRing.load()
     srv = KVBlockServer(cache, ENGINE, keys)
@@ -334,6 +337,11 @@ def measure_nixl(
     }
 
 
+def _cpu_pair(text: str) -> tuple[set[int], set[int]]:
+    server, reader = text.split(":")
+    return {int(c) for c in server.split(",")}, {int(c) for c in reader.split(",")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the results here")
@@ -349,14 +357,25 @@ def main() -> None:
     parser.add_argument(
         "--interleave", action="store_true", help="alternate TCP and raw reads in one loop"
     )
+    parser.add_argument(
+        "--pin",
+        type=_cpu_pair,
+        metavar="SERVER:READER",
+        help="pin the serving process and the reader to these CPUs (e.g. 0:1): each side a "
+        "host of its own, rather than wherever the scheduler puts them per read",
+    )
     args = parser.parse_args()
+    server_cpus, reader_cpus = args.pin if args.pin else (None, None)
     bpb = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
     sizes = tuple(max(1, round(m * 2**20 / bpb)) for m in args.sizes) if args.sizes else SIZES
 
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_child, args=(port_q, stop, sizes), daemon=True)
+    child = ctx.Process(target=_child, args=(port_q, stop, sizes, server_cpus), daemon=True)
     child.start()
+    if reader_cpus:
+        os.sched_setaffinity(0, reader_cpus)
+        torch.set_num_threads(len(reader_cpus))  # the memcpy column's threads on the reader's CPUs
     rows: list[dict[str, Any]] = []
     nixl_rows: list[dict[str, Any]] = []
     staged_rows: list[dict[str, Any]] = []

@@ -12,8 +12,9 @@ import hashlib
 import msgspec
 
 # Baton's KV wire version: the block layout in memory and the TCP/NIXL exchanges. Bumped when
-# either changes; 2 is the authenticated exchange of issue 14.
-KV_WIRE_VERSION = "2"
+# either changes; 2 is the authenticated exchange of issue 14, 3 pads the TCP greeting and reply to
+# 64 bytes each (tcp/wire.py).
+KV_WIRE_VERSION = "3"
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -22,7 +22,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 logger = logging.getLogger(__name__)
@@ -33,30 +33,41 @@ _ACCEPT_POLL_S = 0.05
 # servers' default io_timeout (30 s), after which a server closes an idle connection.
 _POOL_MAX_IDLE_S = 10.0
 _POOL_MAX_IDLE_PER_PEER = 4
+# At most this many buffers per sendmsg (Linux's IOV_MAX is 1024).
+_MAX_IOV = 512
 
 T = TypeVar("T")
 
-GREETING = struct.Struct("!4s16s")  # magic, the connection's nonce
+# magic, the connection's nonce, padding: 64 bytes, so that what follows stays aligned (wire.py)
+GREETING = struct.Struct("!4s16s44x")
 GREETING_MAGIC = b"BKVN"
+
+
+def _timeval(seconds: float) -> bytes:
+    # A zero timeval means "never time out", so round up to at least one microsecond.
+    micros = max(1, int(seconds * 1e6))
+    return struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     """Kernel send and receive timeouts on a blocking socket (see the module docstring)."""
     sock.settimeout(None)
-    # A zero timeval means "never time out", so round up to at least one microsecond.
-    micros = max(1, int(seconds * 1e6))
-    timeval = struct.pack("@ll", micros // 1_000_000, micros % 1_000_000)
+    timeval = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
-def arm(sock: socket.socket, deadline: float) -> None:
+def arm(sock: socket.socket, deadline: float, *, send: bool = True) -> None:
     """Sets the kernel timeouts to the time left before ``deadline`` (``time.monotonic()``);
-    TimeoutError once it has passed."""
+    TimeoutError once it has passed. ``send=False`` sets only the receive timeout, for a run of
+    receives (one system call rather than two)."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise TimeoutError("deadline passed")
-    set_io_timeout(sock, left)
+    if send:
+        set_io_timeout(sock, left)
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(left))
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -74,7 +85,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
     got = 0
     while got < n:
         if deadline is not None:
-            arm(sock, deadline)
+            arm(sock, deadline, send=False)
         k = sock.recv_into(view[got:])
         if k == 0:
             if got == 0:
@@ -82,6 +93,19 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
             raise ConnectionError(f"connection closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """Sends ``parts`` (bytes, or memoryviews of bytes) in order, gathered into as few system
+    calls as the kernel takes (usually one), resuming after a partial send as ``sendall`` does."""
+    left, i = list(parts), 0
+    while i < len(left):
+        sent = sock.sendmsg(left[i : i + _MAX_IOV])
+        while i < len(left) and sent >= len(left[i]):
+            sent -= len(left[i])
+            i += 1
+        if sent:
+            left[i] = memoryview(left[i])[sent:]
 
 
 def connect(

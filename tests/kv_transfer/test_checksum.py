@@ -4,10 +4,13 @@ block, and blocks in the wrong order; and it must give the same value on every d
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
-from baton.kv_transfer.checksum import SUM64, XXH3, block_crcs, kind_for
+from baton.kv_transfer import checksum as checksum_mod
+from baton.kv_transfer.checksum import SUM64, XXH3, block_crcs, byte_view, kind_for
 
 
 def _cache(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -74,3 +77,19 @@ def test_sum64_on_the_gpu_equals_sum64_on_the_host() -> None:
     gpu = kv.cuda()
     assert kind_for(gpu) == SUM64
     assert block_crcs(gpu, [6, 1, 2], SUM64) == block_crcs(kv, [6, 1, 2], SUM64)
+
+
+def test_byte_view_is_made_once_per_tensor_and_goes_with_it() -> None:
+    """A KV read asks for its cache's bytes every time: the view is kept per tensor object (the
+    same one back, writes through it land in the tensor) and dropped when the tensor goes."""
+    cache = torch.zeros(4, 8)
+    view = byte_view(cache)
+    assert byte_view(cache) is view
+    view[0] = 1
+    assert cache.view(torch.uint8).reshape(-1)[0] == 1
+    other = cache.clone()
+    assert byte_view(other) is not view
+    before = len(checksum_mod._views)
+    del other
+    gc.collect()
+    assert len(checksum_mod._views) == before - 1

@@ -12,7 +12,7 @@ import torch
 from baton.kv_transfer.checksum import byte_view, combine
 from baton.kv_transfer.keyring import TAG_BYTES, KeyRing
 from baton.kv_transfer.leases import MAX_HOLD_S, LeaseTable, Status
-from baton.kv_transfer.sockets import ThreadedServer, recv_exact
+from baton.kv_transfer.sockets import ThreadedServer, recv_exact, send_all
 from baton.kv_transfer.tcp.staging import StagingPool
 from baton.kv_transfer.tcp.wire import (
     DONE,
@@ -96,21 +96,26 @@ class KVBlockServer(ThreadedServer):
             self._reply(conn, status, proof)
             return True
         try:
-            bpb = self.leases.block_bytes
-            self._reply(conn, Status.OK, proof, len(ids) * bpb, combine(sums))
-            return self._send(conn, engine_id, request_id, ids)
+            head = self._reply_head(Status.OK, proof, len(ids) * self.leases.block_bytes, sums)
+            return self._send(conn, head, engine_id, request_id, ids)
         finally:
             self.leases.end_read(request_id)
 
-    def _send(self, conn: socket.socket, engine_id: str, request_id: str, ids: list[int]) -> bool:
+    def _send(
+        self, conn: socket.socket, head: bytes, engine_id: str, request_id: str, ids: list[int]
+    ) -> bool:
+        """The OK reply ``head`` and the blocks behind it, then the reader's DONE."""
         bpb = self.leases.block_bytes
         if self._staging is not None:
+            conn.sendall(head)
             with self._staging.stager() as stager:
                 stager.send(conn, ids)
         else:
             assert self._view is not None
-            for first, count in coalesce(ids):
-                conn.sendall(self._view[first * bpb : (first + count) * bpb])
+            view = self._view
+            # One gathered send: the reader wakes to the reply with the payload right behind it.
+            runs = [view[first * bpb : (first + count) * bpb] for first, count in coalesce(ids)]
+            send_all(conn, [head, *runs])
         done = recv_exact(conn, 1)
         if done != DONE:
             return False
@@ -118,15 +123,21 @@ class KVBlockServer(ThreadedServer):
         return True
 
     def _reply(
-        self,
-        conn: socket.socket,
-        status: Status,
-        proof: tuple[str, bytes, bytes] | None = None,
-        total: int = 0,
-        checksum: int = 0,
+        self, conn: socket.socket, status: Status, proof: tuple[str, bytes, bytes] | None = None
     ) -> None:
+        """A reply with no payload (see `_reply_head`)."""
+        conn.sendall(self._reply_head(status, proof))
+
+    def _reply_head(
+        self,
+        status: Status,
+        proof: tuple[str, bytes, bytes] | None,
+        total: int = 0,
+        sums: list[int] | None = None,
+    ) -> bytes:
         """A reply header and its tag over the request's (``proof``: key id, nonce and request
-        tag; zeros for a peer that proved nothing)."""
+        tag; zeros for a peer that proved nothing); ``sums``: the checksums of the blocks sent."""
+        checksum = combine(sums) if sums else 0
         head = REPLY.pack(REPLY_MAGIC, status, self.leases.block_bytes, total, checksum)
         tag = self._keys.tag(proof[0], proof[1], proof[2], head) if proof else None
-        conn.sendall(head + (tag or bytes(TAG_BYTES)))
+        return head + (tag or bytes(TAG_BYTES))

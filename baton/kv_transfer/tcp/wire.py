@@ -19,6 +19,13 @@ A request with no block ids is a release: the reader will not read this lease (i
 needs none of the blocks); the server drops the lease, reports it claimed, and replies OK with no
 payload. A lease being read is never expired under the read (``leases.py``).
 
+The server's greeting and replies are each 64 bytes, so a payload starts at a multiple of 64
+bytes into the connection's stream and so at the same alignment in the reader's socket buffer as
+in its destination. The kernel's copy out of a misaligned buffer ran at half the speed: a 4 MiB
+loopback read took 1.9 ms with a 61-byte reply ahead of it and 0.83 ms with a 64-byte one (a
+raw-socket experiment on the 2-core machine of docs/benchmarks.md); wire version 2 had 20- and
+61-byte messages.
+
 The checksum (``checksum.py``, xxh3-64) is computed per block, and the header carries the
 checksum of those per-block values (big-endian uint64, in the order asked). Per-block values let
 the server compute them when the lease is made, on a background thread, so for any subset or
@@ -32,8 +39,9 @@ import struct
 # magic, len(engine_id), len(request_id), number of block ids, the client's block_bytes, key id
 REQUEST = struct.Struct("!4sHHIQ8s")
 REQUEST_MAGIC = b"BKVR"
-# magic, status, the server's block_bytes, total payload bytes, checksum of the payload
-REPLY = struct.Struct("!4sBQQQ")
+# magic, status, the server's block_bytes, total payload bytes, checksum of the payload, padding
+# (with its 32-byte tag, a reply is 64 bytes: see the module docstring)
+REPLY = struct.Struct("!4sBQQQ3x")
 REPLY_MAGIC = b"BKVA"
 DONE = b"\x01"
 # Bounds what a malformed or hostile header can make the server allocate.
