@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from baton.local_prometheus import (
     add_prometheus_args,
     prometheus_from_args,
 )
+from baton.ports import free_port
 from baton.router.cli import UPSTREAM_API_KEY_ENV, add_routing_args
 
 _LOG_TAIL = 40  # lines of a child's output kept for the error report
@@ -61,21 +61,6 @@ _RESTART_STABLE_SECONDS = 60.0
 _OWN_ENGINE_FLAGS = {"host", "port", "role", "model", "kv_port", "api_keys", "kv_secret_file"}
 _OWN_ENGINE_FLAGS |= {"kv_events_config"}  # each engine publishes on ports of its own
 _OWN_ENGINE_FLAGS |= {"ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_cert_reqs"}
-
-
-_GIVEN_PORTS: set[int] = set()  # every port handed out: the kernel may offer one again
-
-
-def _free_port() -> int:
-    """A port free now and not handed out before by this process (each engine takes three:
-    HTTP, KV events and their replay; all are chosen before any process binds them)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _GIVEN_PORTS:
-            _GIVEN_PORTS.add(port)
-            return port
 
 
 def _say(message: str) -> None:
@@ -355,12 +340,12 @@ class Supervisor:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _engine(self, role: str, index: int) -> Child:
-        port = _free_port()
+        port = free_port()
         events = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{_free_port()}",
-            "replay_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+            "endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}",
         }  # the router follows them (see baton.router.kv_subscriber)
         argv = self._baton(
             "engine", "--host", "127.0.0.1", "--port", str(port), "--role", role,

@@ -26,13 +26,8 @@ from baton.http_server import (
     api_keys_from_args,
     cancel_on_disconnect,
 )
+from baton.ports import free_port
 from tests.support.tls import make_certs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _ok(scope: Scope, receive: Receive, send: Send) -> None:
@@ -70,7 +65,7 @@ def test_listen_config_refuses_nonsense() -> None:
 @pytest.mark.asyncio
 async def test_serves_until_stopped() -> None:
     """`serve` answers requests until `stop`, then returns with `started` set."""
-    port = _free_port()
+    port = free_port()
     http = HTTPServer(_ok, ListenConfig(host="127.0.0.1", port=port), lifespan="off",
                       graceful_shutdown=1)  # fmt: skip
     serving = asyncio.create_task(http.serve())
@@ -109,7 +104,7 @@ async def test_a_taken_port_exits_without_starting() -> None:
 @pytest.mark.asyncio
 async def test_a_request_that_stalls_is_cut_at_the_read_deadline() -> None:
     """A client that sends half its headers and stalls is disconnected after the deadline."""
-    port = _free_port()
+    port = free_port()
     listen = ListenConfig(host="127.0.0.1", port=port, request_read_timeout=0.5)
     http = HTTPServer(_ok, listen, lifespan="off", graceful_shutdown=1)
     serving = asyncio.create_task(http.serve())
@@ -182,7 +177,7 @@ async def _serving(listen: ListenConfig) -> AsyncIterator[None]:
 async def test_a_key_guards_every_path_but_health_and_metrics() -> None:
     """With keys set, a request outside /health and /metrics without one of them as a Bearer
     token is a 401 in OpenAI's error shape; either key opens every path (vLLM's --api-key)."""
-    port = _free_port()
+    port = free_port()
     listen = ListenConfig(host="127.0.0.1", port=port, api_keys=("key-one", "key-two"))
     url = f"http://127.0.0.1:{port}"
     async with _serving(listen), httpx.AsyncClient(base_url=url) as client:
@@ -207,7 +202,7 @@ async def test_a_key_guards_every_path_but_health_and_metrics() -> None:
 @pytest.mark.asyncio
 async def test_no_key_no_check() -> None:
     """Without keys every path is open, as before."""
-    port = _free_port()
+    port = free_port()
     async with _serving(ListenConfig(host="127.0.0.1", port=port)), httpx.AsyncClient() as client:
         r = await client.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{}")
         assert r.status_code == 200
@@ -234,7 +229,7 @@ async def test_tls_with_the_ssl_flags(tmp_path: Path) -> None:
     """--ssl-certfile/--ssl-keyfile serve HTTPS: a client trusting the CA gets its answer, one
     that does not is refused, and plain HTTP gets no answer."""
     certs = make_certs(tmp_path)
-    port = _free_port()
+    port = free_port()
     listen = ListenConfig(host="127.0.0.1", port=port, ssl_certfile=str(certs.cert),
                           ssl_keyfile=str(certs.key), api_keys=("k",))  # fmt: skip
     async with _serving(listen):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from baton.engine.worker.model_runner import PendingOutput, RunnerConfig
 from baton.kv_transfer.base import KVTransferConfig
+from baton.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,6 @@ def _bind_xpub(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.SNDHWM, 0)  # never drop a message
     sock.bind(address)
     return sock
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -142,7 +136,7 @@ class MultiprocExecutor(Executor):
         self._published = 0  # steps published so far
         self._received = 0  # outputs read so far
         self._outputs: dict[int, ModelRunnerOutput] = {}
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, len(os.sched_getaffinity(0)) // n)  # the CPUs this engine may use
         env = dict(os.environ)
         # The workers import baton as this process does, wherever it came from.
