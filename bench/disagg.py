@@ -36,7 +36,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import httpx
 if not __package__:  # run as `python bench/disagg.py`: make the `bench` folder importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from baton.ports import free_port
 from bench.serve import (
     SampledRequest,
     arrival_times,
@@ -145,18 +145,12 @@ class Setup:
     serve_args: tuple[str, ...]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Cluster:
     """`baton serve` of one setup in its own process group, its output kept in a log file."""
 
     def __init__(self, setup: Setup, engine_args: Sequence[str], log_dir: Path) -> None:
         self.setup = setup
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{setup.name}.log"
         cmd = [

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,11 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from baton.ports import free_port
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -79,7 +74,7 @@ def main() -> None:
         if model is None:
             model = str(Path(tmp) / "tiny")
             subprocess.run([*baton, "tiny-model", model], check=True, capture_output=True)
-        engine_port, router_port = _free_port(), _free_port()
+        engine_port, router_port = free_port(), free_port()
         engine = subprocess.Popen(
             [*baton, "engine", "--model", model, "--host", "127.0.0.1", "--port", str(engine_port)],
             stdout=subprocess.DEVNULL,

@@ -45,16 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from baton.engine.models.config import ModelConfig  # noqa: E402
 from baton.engine.models.tiny import default_model_path  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from baton.ports import free_port  # noqa: E402
 
 
 def _start(model: Path, role: str, max_len: int, tp: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "engine",
         "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--role", role,

@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+
+from baton.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 AIM_RPS = 2000.0  # (a) requests/s on one router core
@@ -312,12 +313,6 @@ def _use_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _pinned(cpu: int | None) -> Callable[[], None] | None:
     return None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
 
@@ -334,7 +329,7 @@ def start_engine(
 def start_router(
     engines: Sequence[int], cpu: int | None, migration_limit: int = 3, policy: str = "prefix-aware"
 ) -> tuple[subprocess.Popen[bytes], int]:
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router",
             "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
             "--migration-limit", str(migration_limit)]  # fmt: skip

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,12 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 ENGINE_AIM_S, SERVE_AIM_S = 5.0, 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def time_to_ready(argv: list[str], url: str, env: dict[str, str], timeout: float = 300) -> float:
@@ -78,6 +71,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from baton.engine.models.tiny import write_tiny_model
+    from baton.ports import free_port
 
     py, baton = sys.executable, str(Path(sys.executable).with_name("baton"))
     env = dict(os.environ)
@@ -86,12 +80,12 @@ def main() -> None:
     tiny = write_tiny_model(work / "tiny", "llama", "tiny")
 
     def engine() -> float:
-        port = _free_port()
+        port = free_port()
         argv = [baton, "engine", "--model", str(tiny), "--port", str(port)]
         return time_to_ready(argv, f"http://127.0.0.1:{port}/health", env)
 
     def serve() -> float:
-        port = _free_port()
+        port = free_port()
         argv = [baton, "serve", "--port", str(port)]
         return time_to_ready(argv, f"http://127.0.0.1:{port}/health", env)
 

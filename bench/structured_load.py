@@ -33,6 +33,7 @@ import jsonschema
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from baton.engine.models.tiny import write_tiny_model
+from baton.ports import free_port
 
 PERSON = {
     "type": "object",
@@ -54,17 +55,9 @@ SCHEMA = {"type": "array", "items": PERSON, "minItems": 4, "maxItems": 6}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "people", "schema": SCHEMA}}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Engine:
     def __init__(self, model: Path, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "engine",
