@@ -25,7 +25,9 @@ Aim (issue 4): NIXL over shared memory >= 0.8x memcpy.
 
 ``--sizes`` (MiB) replaces the main table's sizes; ``--tcp-only`` leaves out the staged and NIXL
 tables; ``--interleave`` alternates a TCP read and a raw read in one loop (both see the same
-machine state; without it all TCP reads run before all raw reads, as in docs/benchmarks.md).
+machine state; without it all TCP reads run before all raw reads, as in docs/benchmarks.md);
+``--pin SERVER:READER`` pins the two processes to CPUs; ``--scatter`` reads the blocks in
+descending order, each a run of its own.
 """
 
 from __future__ import annotations
@@ -184,10 +186,12 @@ def measure(
     src: torch.Tensor,
     flat: memoryview,
     interleave: bool = False,
+    scatter: bool = False,
 ) -> dict[str, Any]:
-    """One row: n blocks over new connections (cold) or over one kept open (warm)."""
+    """One row: n blocks over new connections (cold) or over one kept open (warm); with
+    ``scatter``, in descending order, so that every block is a run of its own on both sides."""
     nbytes = n * block_bytes(local)
-    ids = list(range(n))
+    ids = list(range(n))[::-1] if scatter else list(range(n))
     pool = KVConnectionPool() if mode == "warm" else None
     keys = KeyRing.load()
     raw_sock = raw_connect(raw_port) if mode == "warm" else None
@@ -358,6 +362,12 @@ def main() -> None:
         "--interleave", action="store_true", help="alternate TCP and raw reads in one loop"
     )
     parser.add_argument(
+        "--scatter",
+        action="store_true",
+        help="read the blocks in descending order, each a run of its own (a long-running "
+        "engine's blocks are rarely consecutive); the raw socket moves the same bytes",
+    )
+    parser.add_argument(
         "--pin",
         type=_cpu_pair,
         metavar="SERVER:READER",
@@ -387,7 +397,11 @@ def main() -> None:
         flat = memoryview(local.view(-1).view(torch.uint8).numpy().data)
         for n in sizes:
             for mode in args.modes:
-                rows.append(measure(n, mode, kv_port, raw_port, local, src, flat, args.interleave))
+                rows.append(
+                    measure(
+                        n, mode, kv_port, raw_port, local, src, flat, args.interleave, args.scatter
+                    )
+                )
         for n in () if args.tcp_only else STAGED_SIZES:
             staged_rows.append(measure_staged(n, kv_port, staged_port, local))
         if nixl_peer is not None and not args.tcp_only:

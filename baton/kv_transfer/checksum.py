@@ -52,9 +52,9 @@ def block_bytes(kv_cache: torch.Tensor) -> int:
 
 
 def byte_view(kv_cache: torch.Tensor) -> memoryview:
-    """A writable memoryview over the tensor's own storage (no copy). Made once per tensor: its
-    four torch calls cost a KV read tens of microseconds, a tenth of a 64 KiB one (KV caches are
-    never resized, which would leave a kept view stale)."""
+    """A writable memoryview over the tensor's own storage (no copy). Made once per tensor: with
+    its four torch calls a warm 64 KiB KV read took ~50 µs more of the reader's CPU, a fifth of
+    the read (KV caches are never resized, which would leave a kept view stale)."""
     kept = _views.get(id(kv_cache))
     if kept is not None and kept[0]() is kv_cache:
         return kept[1]
