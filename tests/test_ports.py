@@ -23,13 +23,14 @@ def test_picks_free_ports_below_the_ephemeral_range_and_never_twice() -> None:
 
 
 def test_a_seeded_random_does_not_repeat_picks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Test runners seed `random` alike in every worker; the picker does not draw from it."""
-    monkeypatch.setattr(ports, "_given", set())
-    random.seed(1)
-    first = ports.free_port()
-    monkeypatch.setattr(ports, "_given", set())
-    random.seed(1)
-    assert len({first, *(ports.free_port() for _ in range(3))}) > 1
+    """Test runners seed `random` alike in every worker; the picker does not draw from it: three
+    fresh processes' first picks (each after the same seed) are not all the same port."""
+    firsts = []
+    for _ in range(3):
+        monkeypatch.setattr(ports, "_given", set())
+        random.seed(1)
+        firsts.append(ports.free_port())
+    assert len(set(firsts)) > 1
 
 
 def test_falls_back_to_the_kernels_pick_without_room(monkeypatch: pytest.MonkeyPatch) -> None:
