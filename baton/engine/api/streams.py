@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
-from fastapi.responses import StreamingResponse
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from baton.engine.api.metrics import EngineMetrics, RequestTimer
@@ -118,23 +118,55 @@ async def collect(streams: list[PromptStream]) -> list[RequestOutput]:
     return [t.result() for t in tasks]
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events whose cleanup runs however the response ends, even if the body was
-    never iterated (a client gone before the first byte): it aborts the engine requests."""
+class EventStream(Response):
+    """Server-sent events, each sent as soon as the engine made it, whose cleanup runs however
+    the response ends, even if no event went out (a client gone before the first byte): it
+    aborts the engine requests.
+
+    Not Starlette's StreamingResponse, which runs a task group per response and wraps every
+    event on its way to the socket (as the router's `_PassThrough`, which says the same): here
+    each event is one `send`, and one watcher task per stream waits for the client's
+    disconnect and, if it comes, cancels the stream wherever it waits.
+    """
+
+    media_type = "text/event-stream"
 
     def __init__(
-        self, content: AsyncGenerator[str, None], cleanup: Callable[[], Awaitable[None]]
+        self, events: AsyncGenerator[str, None], cleanup: Callable[[], Awaitable[None]]
     ) -> None:
-        super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-        )
-        self._events = content
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+        self._events = events
         self._cleanup = cleanup
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.current_task()
+        assert pump is not None
+        gone = ended = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not ended:  # past the end, the cleanup must not be cut short
+                gone = True
+                pump.cancel()
+
+        watcher = asyncio.ensure_future(watch())
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for event in self._events:
+                body = event.encode()
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            pump.uncancel()  # the client left: the stream just ends
         finally:
+            ended = True
+            watcher.cancel()
             await self._events.aclose()  # runs its `finally` if it was left at a `yield`
             await self._cleanup()
 
