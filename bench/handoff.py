@@ -17,11 +17,15 @@ engine already caches, client and server side) are printed beside it; the hand-o
 the server-side first token with the pull minus the one without. Aim (issue 4): overhead below the
 raw transfer time.
 
+With ``--busy N``, N streams decode on the decode engine the whole time (both for the hand-offs
+and for the no-pull floor): the hand-off then joins a running batch, whose steps its pull can
+overlap, as in a serving decode engine.
+
 With ``--tensor-parallel-size 2`` both engines run two ranks: each decode rank pulls its half of
 the KV heads from the matching prefill rank, on connections of its own (issue 9).
 
     python bench/handoff.py [--repeats 10] [--prompt-len 2000] [--tensor-parallel-size N]
-                            [--json out.json]
+                            [--warm-cache] [--busy N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -137,6 +142,29 @@ def _decode_ttft(url: str, prompt: list[int], params: dict[str, Any]) -> float:
     raise RuntimeError("no token came back")
 
 
+def _keep_busy(url: str, num_streams: int, stop: threading.Event, max_tokens: int) -> None:
+    """Keeps `num_streams` greedy streams decoding on the engine at `url` until `stop`: the
+    batch a hand-off joins (each stream starts again when it ends)."""
+
+    def one(i: int) -> None:
+        body = {
+            "model": "small", "prompt": [5 + i, 6, 7, 8], "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+        }  # fmt: skip
+        while not stop.is_set():
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        break
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(num_streams)]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -149,6 +177,14 @@ def main() -> None:
         help="engines with a KV cache of four prompts, cycled through whole before timing: every "
         "pull lands in blocks used before, as in a long-running engine (a fresh engine's CPU "
         "cache is committed page by page as blocks are first written)",
+    )
+    parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N streams decoding on the decode engine throughout (started after the warm-up): "
+        "each hand-off joins a running batch, and the pull can overlap its steps",
     )
     args = parser.parse_args()
 
@@ -179,6 +215,13 @@ def main() -> None:
                 pre_url, p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
             ).json()["kv_transfer_params"]
             _decode_ttft(dec_url, p, params)
+        stop_busy = threading.Event()
+        busy = threading.Thread(
+            target=_keep_busy, args=(dec_url, args.busy, stop_busy, 256), daemon=True
+        )
+        busy.start()
+        if args.busy:
+            time.sleep(1.0)  # the streams are running
         sum0 = _metric(dec_url, "baton:kv_transfer_seconds_sum")
         count0 = _metric(dec_url, "baton:kv_transfer_seconds_count")
         ttft0 = _metric(dec_url, "vllm:time_to_first_token_seconds_sum")
@@ -202,6 +245,8 @@ def main() -> None:
             before = _metric(dec_url, "vllm:time_to_first_token_seconds_sum")
             floor.append(_decode_ttft(dec_url, p, {}))
             floor_server.append(_metric(dec_url, "vllm:time_to_first_token_seconds_sum") - before)
+        stop_busy.set()
+        busy.join(60)
         pulls = _metric(dec_url, "baton:kv_transfer_seconds_count") - count0
         transport_s = (_metric(dec_url, "baton:kv_transfer_seconds_sum") - sum0) / max(pulls, 1)
         failures = sum(
@@ -223,6 +268,7 @@ def main() -> None:
         "kv_bytes": kv_bytes,
         "repeats": args.repeats,
         "warm_cache": args.warm_cache,
+        "busy_streams": args.busy,
         "prefill_seconds_median": statistics.median(prefill_s),
         "decode_ttft_median": ttft,
         "decode_server_ttft_mean": server_ttft,
@@ -239,7 +285,10 @@ def main() -> None:
     ms = 1e3
     mib = kv_bytes / 2**20
     tp, n = args.tensor_parallel_size, args.repeats
-    print(f"prompt {args.prompt_len} tokens, {mib:.1f} MiB of KV, {n} hand-offs, tp={tp}")
+    print(
+        f"prompt {args.prompt_len} tokens, {mib:.1f} MiB of KV, {n} hand-offs, tp={tp}, "
+        f"{args.busy} streams decoding beside"
+    )
     prefill_ms = result["prefill_seconds_median"] * ms
     print(f"  prefill engine, whole prefill (median)      {prefill_ms:8.2f} ms")
     print(f"  decode engine, arrival to first token       {ttft * ms:8.2f} ms")

@@ -278,8 +278,9 @@ class EngineCore:
         """One turn of the busy loop: schedule and run the model (if any request is unfinished),
         then hand the KV connector's instructions to its worker half and apply what ended.
 
-        The KV part comes after the model, so that the lease of a request that just finished
-        exists before its answer leaves, and a pull just scheduled starts at once. Returns None
+        A pull the schedule starts goes to the worker half before the model runs, so that it
+        overlaps the batch's compute; the KV part after the model hands over the leases of
+        requests that just finished, so that each exists before its answer leaves. Returns None
         when the step changed nothing (no token computed, no output, no pull or lease ended):
         the loop may then wait for input instead of spinning.
 
@@ -295,9 +296,7 @@ class EngineCore:
         kv_ended = False
         worker = self.connector_worker
         if worker is not None:
-            meta = self.scheduler.build_connector_meta()
-            if meta:
-                worker.start_load_kv(meta)
+            self._start_kv_transfers()  # the leases of requests that just finished
             kv_output = worker.get_finished()
             if kv_output or self.scheduler.kv_refused:
                 kv_ended = True
@@ -307,9 +306,21 @@ class EngineCore:
             return None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(num_tokens))
 
+    def _start_kv_transfers(self) -> None:
+        """Hands the KV connector's worker half what the scheduler decided since the last call:
+        the pulls to start and the leases to hold. Called right after scheduling too, so that a
+        pull runs while the batch it joins the step after computes, not after it."""
+        worker = self.connector_worker
+        if worker is None:
+            return
+        meta = self.scheduler.build_connector_meta()
+        if meta:
+            worker.start_load_kv(meta)
+
     def _step(self) -> tuple[list[EngineCoreOutput], int]:
         if not self.args.async_scheduling:
             scheduler_output = self.scheduler.schedule()
+            self._start_kv_transfers()
             num_tokens = scheduler_output.total_num_scheduled_tokens
             runner_output = self.executor.execute_model(scheduler_output)
             return self.scheduler.update_from_output(scheduler_output, runner_output), num_tokens
@@ -322,6 +333,7 @@ class EngineCore:
             oldest, oldest_pending = self._in_flight.popleft()
             outputs += self.scheduler.update_from_output(oldest, oldest_pending.result())
         scheduler_output = self.scheduler.schedule()
+        self._start_kv_transfers()
         num_tokens = scheduler_output.total_num_scheduled_tokens
         pending = self.executor.execute_model_async(scheduler_output)
         if num_tokens:

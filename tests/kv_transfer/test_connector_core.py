@@ -174,6 +174,64 @@ def test_disaggregated_equals_single_engine(model: Path, transport: str) -> None
         decode.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_pull_starts_before_the_batch_it_waits_beside_computes(
+    model: Path, async_scheduling: bool
+) -> None:
+    """A step that schedules a hand-off's pull hands it to the connector before it runs the
+    model for the rest of the batch, so the pull overlaps that compute (not the step after);
+    the request then finishes on the pulled KV."""
+    prompt = _prompts()[-1]
+    prefill = _engine(model, "prefill")
+    kvt = KVTransferConfig(role="decode")
+    decode = EngineCore(
+        EngineArgs(
+            model=str(model), max_model_len=256, block_size=BLOCK, num_gpu_blocks_override=128,
+            kv_transfer=kvt, async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
+    try:
+        params = _params(_run(prefill, [_prefill_request("p", prompt)])["p"])
+        busy = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        decode.add_request(_request("busy", [7, 8, 9], busy))
+        for _ in range(3):
+            _step(decode)  # "busy" is running: every step computes
+        calls: list[str] = []
+        worker, executor = decode.connector_worker, decode.executor
+        assert worker is not None
+        start_load, run_model = worker.start_load_kv, executor.execute_model_async
+
+        def start_load_kv(meta):  # type: ignore[no-untyped-def]
+            calls.extend("pull" for _ in meta.loads)
+            start_load(meta)
+
+        def execute_model_async(out):  # type: ignore[no-untyped-def]
+            calls.append("model")
+            return run_model(out)
+
+        worker.start_load_kv = start_load_kv  # type: ignore[method-assign]
+        executor.execute_model_async = execute_model_async  # type: ignore[method-assign]
+        decode.add_request(_request("d", prompt, GREEDY, kv_transfer_params=params))
+        _step(decode)
+        assert calls[:2] == ["pull", "model"], calls
+        got: dict[str, EngineCoreOutput] = {}
+        deadline = time.monotonic() + 30
+        tokens: list[int] = []
+        while not got.get("d"):
+            assert time.monotonic() < deadline, "the hand-off did not finish"
+            for out in _step(decode):
+                if out.request_id == "d":
+                    tokens += out.new_token_ids
+                    if out.finished:
+                        got["d"] = out
+            time.sleep(0.001)
+        assert len(tokens) == GREEDY.max_tokens
+        assert [r.ok for r in transfers(decode) if r.req_id == "d"] == [True]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path, transport: str) -> None:
     """A prompt whose prefix the decode engine caches pulls only the blocks after it, and a prompt
     it caches entirely pulls nothing but releases the lease at once."""
