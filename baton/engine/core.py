@@ -308,8 +308,8 @@ class EngineCore:
 
     def _start_kv_transfers(self) -> None:
         """Hands the KV connector's worker half what the scheduler decided since the last call:
-        the pulls to start and the leases to hold. Called right after scheduling too, so that a
-        pull runs while the batch it joins the step after computes, not after it."""
+        the pulls to start and the leases to hold. Called right after scheduling as well, so
+        that a pull runs while this step's batch computes rather than once it has."""
         worker = self.connector_worker
         if worker is None:
             return
