@@ -275,8 +275,9 @@ class EngineCore:
             self.kv_events.publish(events)
 
     def step(self) -> EngineCoreOutputs | None:
-        """One turn of the busy loop: schedule and run the model (if any request is unfinished),
-        then hand the KV connector's instructions to its worker half and apply what ended.
+        """One turn of the busy loop: apply the KV transfers that ended, schedule and run the
+        model (if any request is unfinished), then hand the KV connector's instructions to its
+        worker half and apply what ended meanwhile.
 
         A pull the schedule starts goes to the worker half before the model runs, so that it
         overlaps the batch's compute; the KV part after the model hands over the leases of
@@ -288,23 +289,34 @@ class EngineCore:
         device before step N's tokens are read back, so the device never waits for Python.
         """
         outputs: list[EngineCoreOutput] = []
+        # A pull that ended since the last step resumes its request in this one.
+        kv_ended = self._finish_kv_transfers(outputs)
         num_tokens = 0
         if self.has_unfinished_requests():
-            outputs, num_tokens = self._step()
+            step_outputs, num_tokens = self._step()
+            outputs += step_outputs
         # Requests the scheduler ended by itself (a grammar that did not compile).
         outputs += self.scheduler.take_outputs()
-        kv_ended = False
-        worker = self.connector_worker
-        if worker is not None:
-            self._start_kv_transfers()  # the leases of requests that just finished
-            kv_output = worker.get_finished()
-            if kv_output or self.scheduler.kv_refused:
-                kv_ended = True
-                outputs += self.scheduler.update_from_kv_output(kv_output)
+        self._start_kv_transfers()  # the leases of requests that just finished
+        kv_ended = self._finish_kv_transfers(outputs) or kv_ended
         self._publish_kv_events()
         if not (num_tokens or outputs or kv_ended):
             return None
         return EngineCoreOutputs(outputs, self.scheduler.make_stats(num_tokens))
+
+    def _finish_kv_transfers(self, outputs: list[EngineCoreOutput]) -> bool:
+        """Applies the pulls and leases that ended (a pulled request goes back to the front of
+        the queue, a failed one ends in `outputs`); True if any did. Called before scheduling,
+        so that a pull that ended between steps needs no step of its own to resume, and after
+        the model, for what ended during it."""
+        worker = self.connector_worker
+        if worker is None:
+            return False
+        kv_output = worker.get_finished()
+        if not (kv_output or self.scheduler.kv_refused):
+            return False
+        outputs += self.scheduler.update_from_kv_output(kv_output)
+        return True
 
     def _start_kv_transfers(self) -> None:
         """Hands the KV connector's worker half what the scheduler decided since the last call:

@@ -232,6 +232,37 @@ def test_a_pull_starts_before_the_batch_it_waits_beside_computes(
         decode.shutdown()
 
 
+def test_a_pull_that_ended_between_steps_resumes_and_computes_in_one_step(model: Path) -> None:
+    """The first step after a pull ended both resumes its request and computes the request's
+    first token: resuming takes no step of its own (a whole turn of an idle engine's loop)."""
+    prompt = _prompts()[-1]
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    try:
+        params = _params(_run(prefill, [_prefill_request("p", prompt)])["p"])
+        worker = decode.connector_worker
+        assert worker is not None and worker.transport is not None
+        gate, read = threading.Event(), worker.transport.read
+
+        def gated_read(spec, deadline):  # type: ignore[no-untyped-def]
+            gate.wait(10)  # the pull ends only once the step that started it is over
+            return read(spec, deadline)
+
+        worker.transport.read = gated_read  # type: ignore[method-assign]
+        decode.add_request(_request("d", prompt, GREEDY, kv_transfer_params=params))
+        assert _step(decode) == []  # schedules the pull; nothing to compute yet
+        gate.set()
+        deadline = time.monotonic() + 10
+        while not worker._done:  # the loader thread reported the pull
+            assert time.monotonic() < deadline, "the pull did not end"
+            time.sleep(0.001)
+        first = [o for o in _step(decode) if o.request_id == "d"]
+        assert len(first) == 1 and len(first[0].new_token_ids) == 1
+        assert [r.ok for r in transfers(decode)] == [True]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path, transport: str) -> None:
     """A prompt whose prefix the decode engine caches pulls only the blocks after it, and a prompt
     it caches entirely pulls nothing but releases the lease at once."""
