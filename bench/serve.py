@@ -307,13 +307,18 @@ async def run_benchmark(
 
 
 def run_offline(
-    model_path: str, requests: Sequence[SampledRequest], max_model_len: int | None
+    model_path: str,
+    requests: Sequence[SampledRequest],
+    max_model_len: int | None,
+    max_num_seqs: int | None = None,
 ) -> tuple[int, float]:
-    """Generates the same requests with `baton.LLM` in this process: (output tokens, seconds)."""
+    """Generates the same requests with `baton.LLM` in this process: (output tokens, seconds).
+    `max_num_seqs`: at most that many at a time, as the server had with `--max-concurrency`."""
     from baton import LLM, SamplingParams  # lazy: the load generator itself needs no torch
 
     max_len = max_model_len or max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    llm = LLM(model_path, max_model_len=max_len)
+    caps = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    llm = LLM(model_path, max_model_len=max_len, **caps)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
@@ -356,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--num-warmups", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write every number to this file")
-    p.add_argument("--offline-baseline", action="store_true", help="also run baton.LLM offline")
+    p.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="also run baton.LLM offline on the same requests, --max-concurrency at most at a time",
+    )
     p.add_argument("--model-path", default=None, help="model folder for --offline-baseline")
     p.add_argument("--max-model-len", type=int, default=None, help="for --offline-baseline")
     p.add_argument(
@@ -433,7 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.offline_baseline:
         if args.offline_cpus is not None:  # before torch loads: its thread count follows
             os.sched_setaffinity(0, args.offline_cpus)
-        tokens, seconds = run_offline(args.model_path, requests, args.max_model_len)
+        tokens, seconds = run_offline(
+            args.model_path, requests, args.max_model_len, args.max_concurrency
+        )
         offline_tput = tokens / seconds
         ratio = result.metrics["output_throughput"] / offline_tput
         offline = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from baton.http_server import HTTPServer, ListenConfig, run
+from baton.http_server import HTTPServer, ListenConfig, freeze_startup_heap, run
 from baton.router.app import build_app
 from baton.router.config import RouterConfig
 from baton.router.discovery import Discovery
@@ -32,6 +32,7 @@ async def run_router(config: RouterConfig, discovery: Discovery, listen: ListenC
         router.holds.close()
         http.stop(force=http.stopping)
 
+    freeze_startup_heap()
     with http.handle_signals(on_signal):
         await http.serve()
     return 0 if http.started else 1

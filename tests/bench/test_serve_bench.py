@@ -403,9 +403,9 @@ def _fake_sampling_params(**kwargs: Any) -> SimpleNamespace:
     return SimpleNamespace(**kwargs)
 
 
-def test_offline_baseline_sends_same_requests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The offline run feeds baton.LLM the same token ids, greedy with ignore_eos, and counts
-    every generated token; max_model_len defaults to the longest request."""
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[_FakeLLM]:
+    """Every `baton.LLM` the offline baseline makes, fakes that record their calls."""
     made: list[_FakeLLM] = []
 
     def make_llm(model: str, **engine_args: Any) -> _FakeLLM:
@@ -414,6 +414,12 @@ def test_offline_baseline_sends_same_requests(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(baton, "LLM", make_llm, raising=False)
     monkeypatch.setattr(baton, "SamplingParams", _fake_sampling_params, raising=False)
+    return made
+
+
+def test_offline_baseline_sends_same_requests(made: list[_FakeLLM]) -> None:
+    """The offline run feeds baton.LLM the same token ids, greedy with ignore_eos, and counts
+    every generated token; max_model_len defaults to the longest request."""
     reqs = sample_random_requests(6, 10, 4, 0.5, vocab_size=64, seed=1)
     tokens, seconds = run_offline("/models/x", reqs, max_model_len=None)
     (llm,) = made
@@ -426,3 +432,15 @@ def test_offline_baseline_sends_same_requests(monkeypatch: pytest.MonkeyPatch) -
     assert [p.max_tokens for p in params] == [r.max_tokens for r in reqs]
     assert all(p.temperature == 0 and p.ignore_eos for p in params)
     assert tokens == sum(r.max_tokens for r in reqs) and seconds > 0
+
+
+def test_offline_baseline_runs_at_the_servers_concurrency(made: list[_FakeLLM]) -> None:
+    """With a cap on the requests in flight, the offline engine runs at most that many at a
+    time (its `max_num_seqs`), as the server did; without one, at its own default."""
+    reqs = sample_random_requests(6, 10, 4, 0.5, vocab_size=64, seed=1)
+    run_offline("/models/x", reqs, max_model_len=64, max_num_seqs=4)
+    run_offline("/models/x", reqs, max_model_len=64)
+    assert [llm.engine_args for llm in made] == [
+        {"max_model_len": 64, "max_num_seqs": 4},
+        {"max_model_len": 64},
+    ]

@@ -42,6 +42,7 @@ from baton.http_server import (
     HTTPServer,
     ListenConfig,
     cancel_on_disconnect,
+    freeze_startup_heap,
     run,
 )
 from baton.tracing import RequestTracing, check_endpoint
@@ -273,6 +274,7 @@ async def run_server(engine_args: EngineArgs, config: ServerConfig) -> int:
     server: EngineServer = app.state.server
     # uvicorn's own graceful shutdown is short: the drain below happened already.
     http = HTTPServer(app, config, lifespan="off", graceful_shutdown=2)
+    freeze_startup_heap()
     stop = asyncio.Event()
     draining: asyncio.Task[None] | None = None
 
