@@ -24,9 +24,10 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +44,7 @@ from bench.serve_metrics import (
     check_slos,
     compute_metrics,
     format_offline_baseline,
+    format_rounds,
     format_table,
     parse_goodput,
     parse_percentiles,
@@ -306,28 +308,44 @@ async def run_benchmark(
 # ---------------------------------------------------------------- offline baseline
 
 
+def offline_engine(
+    model_path: str,
+    requests: Sequence[SampledRequest],
+    max_model_len: int | None,
+    max_num_seqs: int | None = None,
+) -> Callable[[Sequence[SampledRequest]], tuple[int, float]]:
+    """`baton.LLM` in this process, sized for `requests` (its max_model_len defaults to the
+    longest) and warmed on a few of them, once; each call generates the requests it is given
+    with it, greedy with ignore_eos: (output tokens, seconds). `max_num_seqs`: at most that
+    many at a time, as the server had with `--max-concurrency`."""
+    from baton import LLM, SamplingParams  # lazy: the load generator itself needs no torch
+
+    max_len = max_model_len or max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    caps = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    llm = LLM(model_path, max_model_len=max_len, **caps)
+
+    def run(batch: Sequence[SampledRequest]) -> tuple[int, float]:
+        prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in batch]
+        params = [
+            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in batch
+        ]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+
+    run(requests[:4])  # warm-up, as the server is warm by the time it is hit
+    return run
+
+
 def run_offline(
     model_path: str,
     requests: Sequence[SampledRequest],
     max_model_len: int | None,
     max_num_seqs: int | None = None,
 ) -> tuple[int, float]:
-    """Generates the same requests with `baton.LLM` in this process: (output tokens, seconds).
-    `max_num_seqs`: at most that many at a time, as the server had with `--max-concurrency`."""
-    from baton import LLM, SamplingParams  # lazy: the load generator itself needs no torch
-
-    max_len = max_model_len or max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    caps = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-    llm = LLM(model_path, max_model_len=max_len, **caps)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests
-    ]
-    llm.generate(prompts[:4], params[:4])  # warm-up, as the server is warm by the time it is hit
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs), elapsed
+    """Generates `requests` once with `offline_engine`: (output tokens, seconds)."""
+    return offline_engine(model_path, requests, max_model_len, max_num_seqs)(requests)
 
 
 # ---------------------------------------------------------------- CLI
@@ -360,6 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="ttft:500 tpot:50")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
     p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run this many rounds, each with prompts of its own; with --offline-baseline the "
+        "server's run and the offline run alternate, and each ratio and their median are "
+        "printed (a noisy machine moves between runs)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every number to this file")
     p.add_argument(
         "--offline-baseline",
@@ -425,35 +451,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.offline_baseline and not args.model_path:
         parser.error("--offline-baseline needs --model-path")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     try:
         config = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
-    requests = workload(config)
-    if args.client_cpus is not None:
-        os.sched_setaffinity(0, args.client_cpus)
-    try:
-        result = asyncio.run(run_benchmark(config, requests))
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(result))
-    offline: dict[str, float] | None = None
-    if args.offline_baseline:
+    # Each round its own prompts: repeated ones would hit both engines' prefix caches.
+    workloads = [workload(config, seed_offset=100 * i) for i in range(args.repeats)]
+    offline_run: Callable[[Sequence[SampledRequest]], tuple[int, float]] | None = None
+    rounds: list[dict[str, float]] = []
+    for requests in workloads:  # the server, then the offline engine, alternated
+        if args.client_cpus is not None:
+            os.sched_setaffinity(0, args.client_cpus)
+        try:
+            result = asyncio.run(run_benchmark(config, requests))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(format_table(result))
+        if not args.offline_baseline:
+            continue
         if args.offline_cpus is not None:  # before torch loads: its thread count follows
             os.sched_setaffinity(0, args.offline_cpus)
-        tokens, seconds = run_offline(
-            args.model_path, requests, args.max_model_len, args.max_concurrency
+        if offline_run is None:
+            every = [r for w in workloads for r in w]
+            offline_run = offline_engine(
+                args.model_path, every, args.max_model_len, args.max_concurrency
+            )
+        tokens, seconds = offline_run(requests)
+        online_tput = result.metrics["output_throughput"]
+        rounds.append(
+            {
+                "output_tokens": tokens,
+                "duration": seconds,
+                "output_throughput": tokens / seconds,
+                "online_output_throughput": online_tput,
+                "online_to_offline_ratio": online_tput * seconds / tokens,
+            }
         )
-        offline_tput = tokens / seconds
-        ratio = result.metrics["output_throughput"] / offline_tput
-        offline = {
-            "output_tokens": tokens,
-            "duration": seconds,
-            "output_throughput": offline_tput,
-            "online_to_offline_ratio": ratio,
-        }
-        print(format_offline_baseline(offline_tput, result.metrics["output_throughput"], ratio))
+        ratio = rounds[-1]["online_to_offline_ratio"]
+        print(format_offline_baseline(tokens / seconds, online_tput, ratio))
+    offline: dict[str, Any] | None = None
+    if rounds:
+        ratios = [r["online_to_offline_ratio"] for r in rounds]
+        offline = {**rounds[-1], "online_to_offline_ratio": statistics.median(ratios)}
+        if len(rounds) > 1:
+            offline["rounds"] = rounds
+            print(format_rounds(ratios))
     if args.json is not None:
         args.json.write_text(json.dumps(result_to_json(result, offline), indent=2))
     return 1 if result.metrics["completed"] == 0 else 0

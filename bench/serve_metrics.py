@@ -7,6 +7,7 @@ Pure functions of what the client saw of each request; the metric definitions, w
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,18 @@ def format_table(result: BenchmarkResult) -> str:
     if m["first_error"]:
         lines.append(f"First error: {m['first_error']}")
     return "\n".join(lines)
+
+
+def format_rounds(ratios: Sequence[float]) -> str:
+    """The ratios of alternated rounds (`--repeats`) and their median."""
+    return "\n".join(
+        [
+            _banner(f" Online / offline over {len(ratios)} alternated rounds ", "="),
+            _row("Each round:", ", ".join(f"{r:.3f}" for r in ratios)),
+            _row("Median (goal >= 0.90 at 64):", statistics.median(ratios)),
+            "=" * _WIDTH,
+        ]
+    )
 
 
 def format_offline_baseline(offline_tput: float, online_tput: float, ratio: float) -> str:

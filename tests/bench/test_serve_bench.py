@@ -444,3 +444,46 @@ def test_offline_baseline_runs_at_the_servers_concurrency(made: list[_FakeLLM]) 
         {"max_model_len": 64, "max_num_seqs": 4},
         {"max_model_len": 64},
     ]
+
+
+def test_repeats_alternate_the_server_and_one_offline_engine(
+    made: list[_FakeLLM], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--repeats 3 --offline-baseline`: three server runs, each followed by an offline run of
+    the same requests on one engine built once, each round with prompts of its own (repeated
+    ones would hit the prefix caches); each round's ratio is printed and recorded, and the
+    ratio reported is their median."""
+    out = tmp_path / "result.json"
+    state = FakeServerState(bodies=[])
+
+    async def serve_and_run() -> int:
+        server, port = await _fake_openai_server(state)
+        try:
+            argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2"]
+            argv += ["--random-output-len", "3", "--max-concurrency", "2", "--repeats", "3"]
+            argv += ["--offline-baseline", "--model-path", "/models/x", "--json", str(out)]
+            return await asyncio.to_thread(main, argv)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(serve_and_run()) == 0
+    (llm,) = made  # built once, for every round
+    assert llm.engine_args["max_num_seqs"] == 2
+    assert len(llm.calls) == 1 + 3  # its warm-up, then one run per round
+    assert len(state.bodies) == 3 * 2  # each round sent the two requests to the server
+    served = [sorted(tuple(b["prompt"]) for b in state.bodies[i : i + 2]) for i in (0, 2, 4)]
+    offline_prompts = [
+        sorted(tuple(p["prompt_token_ids"]) for p in prompts) for prompts, _ in llm.calls[1:]
+    ]
+    assert offline_prompts == served and len({tuple(r) for r in served}) == 3
+    offline = json.loads(out.read_text())["offline"]
+    ratios = [r["online_to_offline_ratio"] for r in offline["rounds"]]
+    assert len(ratios) == 3 and offline["online_to_offline_ratio"] == statistics.median(ratios)
+    for r in offline["rounds"]:
+        assert r["output_tokens"] == 2 * 3
+        assert r["online_to_offline_ratio"] == pytest.approx(
+            r["online_output_throughput"] / r["output_throughput"]
+        )
+    printed = capsys.readouterr().out
+    assert printed.count("Offline Baseline") == 3 and "3 alternated rounds" in printed
