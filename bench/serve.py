@@ -338,16 +338,6 @@ def offline_engine(
     return run
 
 
-def run_offline(
-    model_path: str,
-    requests: Sequence[SampledRequest],
-    max_model_len: int | None,
-    max_num_seqs: int | None = None,
-) -> tuple[int, float]:
-    """Generates `requests` once with `offline_engine`: (output tokens, seconds)."""
-    return offline_engine(model_path, requests, max_model_len, max_num_seqs)(requests)
-
-
 # ---------------------------------------------------------------- CLI
 
 

@@ -30,10 +30,10 @@ from bench.serve import (
     config_from_args,
     format_table,
     main,
+    offline_engine,
     parse_goodput,
     parse_percentiles,
     run_benchmark,
-    run_offline,
     sample_random_requests,
 )
 
@@ -421,7 +421,7 @@ def test_offline_baseline_sends_same_requests(made: list[_FakeLLM]) -> None:
     """The offline run feeds baton.LLM the same token ids, greedy with ignore_eos, and counts
     every generated token; max_model_len defaults to the longest request."""
     reqs = sample_random_requests(6, 10, 4, 0.5, vocab_size=64, seed=1)
-    tokens, seconds = run_offline("/models/x", reqs, max_model_len=None)
+    tokens, seconds = offline_engine("/models/x", reqs, max_model_len=None)(reqs)
     (llm,) = made
     assert llm.model == "/models/x"
     assert llm.engine_args == {
@@ -438,8 +438,8 @@ def test_offline_baseline_runs_at_the_servers_concurrency(made: list[_FakeLLM]) 
     """With a cap on the requests in flight, the offline engine runs at most that many at a
     time (its `max_num_seqs`), as the server did; without one, at its own default."""
     reqs = sample_random_requests(6, 10, 4, 0.5, vocab_size=64, seed=1)
-    run_offline("/models/x", reqs, max_model_len=64, max_num_seqs=4)
-    run_offline("/models/x", reqs, max_model_len=64)
+    offline_engine("/models/x", reqs, max_model_len=64, max_num_seqs=4)
+    offline_engine("/models/x", reqs, max_model_len=64)
     assert [llm.engine_args for llm in made] == [
         {"max_model_len": 64, "max_num_seqs": 4},
         {"max_model_len": 64},
