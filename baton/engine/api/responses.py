@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic_core import to_json
 
 from baton.engine.api import tools
 from baton.engine.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -216,6 +217,37 @@ def sse(event: CompletionChunk | ChatCompletionChunk) -> str:
     """One server-sent event; unset fields are left out, as vLLM's chunks leave them out."""
     event.model_fields_set.add("object")  # a default, but OpenAI's chunks always carry it
     return f"data: {event.model_dump_json(exclude_unset=True)}\n\n"
+
+
+# Stands for a chunk's text while `TextEvents` renders it: control characters no text a model
+# makes holds together, in an order JSON escapes unambiguously.
+_MARK = "\x00\x01baton-text\x01\x00"
+_MARK_JSON = to_json(_MARK).decode()
+
+
+class TextEvents:
+    """The events of one choice of a stream that carry new text and nothing else (no finish
+    reason, logprobs, token ids or per-chunk usage): most of a stream's events. `render(text)`
+    makes such an event through the chunk's models; it runs once, with a marker for the text,
+    and every event after splices its text's JSON into what it made. The bytes are the same
+    (pydantic's own encoder writes the text) at a fraction of the cost: about 0.2 µs an event
+    against 7 µs for the models (`tests/engine/api/test_responses.py` checks both agree).
+
+    None from `make` when the marker does not come out exactly once (a request id that holds
+    it, say): such a stream renders every event through the models."""
+
+    def __init__(self, head: str, tail: str) -> None:
+        self._head, self._tail = head, tail
+
+    @classmethod
+    def make(cls, render: Callable[[str], str]) -> TextEvents | None:
+        head, found, tail = render(_MARK).partition(_MARK_JSON)
+        if not found or _MARK_JSON in tail:
+            return None
+        return cls(head, tail)
+
+    def __call__(self, text: str) -> str:
+        return self._head + to_json(text).decode() + self._tail
 
 
 # ---- logprobs ------------------------------------------------------------------------------

@@ -55,6 +55,21 @@ OFF_LOOP_CHARS = 16 << 10
 _TOKENIZE_THREADS = 2
 
 
+def _text_event(
+    cache: dict[int, r.TextEvents | None],
+    index: int,
+    text: str,
+    renderer: Callable[[int], Callable[[str], str]],
+) -> str:
+    """The event of choice `index` that carries `text` and nothing else that changes from one
+    such event to the next: `renderer(index)(text)`, made through the choice's `TextEvents`
+    (kept in `cache`, made from that renderer on the choice's first such event)."""
+    if index not in cache:
+        cache[index] = r.TextEvents.make(renderer(index))
+    events = cache[index]
+    return renderer(index)(text) if events is None else events(text)
+
+
 def _finish_reason(delta: r.Delta) -> str | None:
     if delta.finish_reason == "abort":  # never shown to a client as a finish reason
         raise APIError(500, "the engine aborted the request")
@@ -403,12 +418,27 @@ class EngineServer:
             resumed_text = self._resumed_text(ids, req.resume_token_ids, params)
             cursors[0][0].resume(len(req.resume_token_ids), resumed_text, offset)
         echo_only = req.echo_only()
+        # Whether an event that carries text alone may come from its choice's `TextEvents`.
+        spliced = req.logprobs is None and not req.return_token_ids and not req.continuous_usage()
+        text_events: dict[int, r.TextEvents | None] = {}
 
         def chunk(choices: list[r.CompletionChoice], **extra: Any) -> str:
             return r.sse(
                 r.CompletionChunk(
                     id=response_id, created=created, model=self.model_name, choices=choices, **extra
                 )
+            )
+
+        def text_chunk(index: int) -> Callable[[str], str]:
+            """What an event that carries text alone is (see `spliced`)."""
+            usage = self._chunk_usage(req, 0, 0)  # none, or null: the same on each
+            return lambda text: chunk(
+                [
+                    r.CompletionChoice(
+                        index=index, text=text, logprobs=None, finish_reason=None, stop_reason=None
+                    )
+                ],
+                **usage,
             )
 
         def chunks(i: int, out: RequestOutput) -> Iterator[str]:
@@ -426,6 +456,9 @@ class EngineServer:
                     text = (out.prompt or "") + text
                     ids = out.prompt_token_ids + ids
                     entries = r.prompt_entries(out) + entries
+                if spliced and text and delta.finish_reason is None and delta.stop_reason is None:
+                    yield _text_event(text_events, i * req.n + sample.index, text, text_chunk)
+                    continue
                 shown = text or delta.finish_reason or req.logprobs is not None
                 if not (shown or req.return_token_ids):
                     continue  # tokens whose text is held back: nothing to show yet
@@ -497,6 +530,14 @@ class EngineServer:
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
+        parsers = [ChoiceParser(mode) for _ in range(req.n)]
+        texts = [""] * req.n
+        plain = mode.tool_parser is None and mode.reasoning is None
+        # Whether an event that carries text alone may come from its choice's `TextEvents`.
+        spliced = (
+            plain and not req.logprobs and not req.return_token_ids and not req.continuous_usage()
+        )
+        text_events: dict[int, r.TextEvents | None] = {}
 
         def chunk(choices: list[r.ChatStreamChoice], **extra: Any) -> str:
             return r.sse(
@@ -505,9 +546,22 @@ class EngineServer:
                 )
             )
 
-        parsers = [ChoiceParser(mode) for _ in range(req.n)]
-        texts = [""] * req.n
-        plain = mode.tool_parser is None and mode.reasoning is None
+        def text_chunk(index: int) -> Callable[[str], str]:
+            """What an event that carries text alone is (see `spliced`)."""
+            usage = self._chunk_usage(req, len(ids), 0)  # none, or null: the same on each
+            return lambda text: chunk(
+                [
+                    r.ChatStreamChoice(
+                        index=index,
+                        delta=r.DeltaMessage(content=text),
+                        logprobs=None,
+                        finish_reason=None,
+                        stop_reason=None,
+                    )
+                ],
+                **usage,
+            )
+
         resumed = req.resume_token_ids
         if resumed is not None:  # n=1: go on from what the first stream sent
             resumed_text = self._resumed_text(ids, resumed, params)
@@ -522,6 +576,9 @@ class EngineServer:
                 if delta is None:
                     continue
                 finish = _finish_reason(delta)
+                if spliced and delta.text and finish is None and delta.stop_reason is None:
+                    yield _text_event(text_events, sample.index, delta.text, text_chunk)
+                    continue
                 if plain:
                     message = r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage()
                     shown = bool(delta.text)
@@ -747,9 +804,14 @@ class EngineServer:
             try:
                 for event in head:
                     yield event
-                async for i, out in merge(streams):
-                    for event in chunks(i, out):
-                        yield event
+                if len(streams) == 1:  # most answers: without `merge`'s layer per token
+                    while (out := await streams[0].next()) is not None:
+                        for event in chunks(0, out):
+                            yield event
+                else:
+                    async for i, out in merge(streams):
+                        for event in chunks(i, out):
+                            yield event
                 if include_usage:
                     usage = r.usage_of(
                         [s.last for s in streams if s.last is not None], self.prompt_tokens_details

@@ -80,10 +80,6 @@ class PromptStream:
 async def merge(streams: list[PromptStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Later snapshots of several prompts, as they come. A stream's next snapshot is asked for
     only after the consumer took its previous one (snapshots share lists with the engine)."""
-    if len(streams) == 1:
-        while (out := await streams[0].next()) is not None:
-            yield 0, out
-        return
     pending = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
     try:
         while pending:

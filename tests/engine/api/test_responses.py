@@ -4,6 +4,10 @@ stop-string holdback, and server-sent event chunks."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 
 from baton.engine.api import responses as r
 from baton.engine.outputs import CompletionOutput, Logprob
@@ -77,3 +81,89 @@ def test_sse_chunk_shape() -> None:
         "model": "m",
         "choices": [{"index": 0, "text": "hi", "logprobs": None, "finish_reason": None}],
     }
+
+
+# Texts a model may make whose JSON is not the text itself: escapes, control characters,
+# characters past ASCII (left unescaped), the separators JavaScript treats as line ends, the
+# marker `TextEvents` renders with.
+_TEXTS = [
+    "hello",
+    " world",
+    "",
+    '"quoted"',
+    "back\\slash",
+    "new\nline\ttab\r",
+    "\x00\x01\x1f\x7f",
+    "é日本語🎉",
+    "\u2028\u2029",
+    "</script>",
+    "\x00\x01baton-text\x01\x00",
+]
+
+
+def _completion_event(usage: dict[str, Any]) -> Callable[[str], str]:
+    return lambda text: r.sse(
+        r.CompletionChunk(
+            id="cmpl-1",
+            created=1,
+            model="m",
+            choices=[
+                r.CompletionChoice(
+                    index=2, text=text, logprobs=None, finish_reason=None, stop_reason=None
+                )
+            ],
+            **usage,
+        )
+    )
+
+
+def _chat_event(text: str) -> str:
+    return r.sse(
+        r.ChatCompletionChunk(
+            id="chatcmpl-1",
+            created=1,
+            model="m",
+            choices=[
+                r.ChatStreamChoice(
+                    index=0,
+                    delta=r.DeltaMessage(content=text),
+                    logprobs=None,
+                    finish_reason=None,
+                    stop_reason=None,
+                )
+            ],
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "render",
+    [_completion_event({}), _completion_event({"usage": None}), _chat_event],
+    ids=["completion", "completion-usage-null", "chat"],
+)
+def test_text_events_are_the_models_events(render: Callable[[str], str]) -> None:
+    """An event spliced from the template is, byte for byte, the event the chunk's models
+    make for the same text, whatever the text holds."""
+    events = r.TextEvents.make(render)
+    assert events is not None
+    for text in _TEXTS:
+        assert events(text) == render(text), repr(text)
+
+
+def test_text_events_are_refused_where_the_marker_shows_twice() -> None:
+    """A template that holds the marker's JSON anywhere but as the text (a field whose value
+    is the marker) is refused, and the stream renders through the models instead."""
+    marker = "\x00\x01baton-text\x01\x00"
+
+    def render(text: str) -> str:
+        return r.sse(
+            r.CompletionChunk(
+                id=marker,
+                created=1,
+                model="m",
+                choices=[r.CompletionChoice(index=0, text=text)],
+            )
+        )
+
+    assert r.TextEvents.make(render) is None
+    assert r.TextEvents.make(lambda text: "no marker here") is None

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from baton import LLM, SamplingParams
+from baton.engine.api import responses as r
 from tests.support.engine_server import (
     MAX_MODEL_LEN,
     NAME,
@@ -104,6 +105,37 @@ def test_async_stream_equals_non_stream(server: Server) -> None:
         exclude={"prompt_tokens_details"}
     )
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_events_are_the_chunk_models_own_rendering(server: Server, route: str) -> None:
+    """Every event of a stream, those whose text the server splices into a template included
+    (`responses.TextEvents`), is byte for byte what the chunk's models render from its own
+    content; the events' text joins to the whole answer's."""
+    chunk_model: Any = r.CompletionChunk if route == "completions" else r.ChatCompletionChunk
+    body: dict[str, Any] = {"model": NAME, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    if route == "completions":
+        body["prompt"] = PROMPTS[0]
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPTS[0]}]
+    whole = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30).json()
+    with httpx.stream(
+        "POST", f"{server.url}/v1/{route}", json={**body, "stream": True}, timeout=30
+    ) as response:
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    texts = []
+    for event in events[:-2]:
+        chunk = chunk_model.model_validate_json(event.removeprefix("data: "))
+        assert r.sse(chunk) == event + "\n\n"
+        for choice in chunk.choices:
+            texts.append(choice.text if route == "completions" else choice.delta.content or "")
+    expected = whole["choices"][0]
+    assert "".join(texts) == (
+        expected["text"] if route == "completions" else expected["message"]["content"]
+    )
+    assert len(texts) > 10  # the answer came a few tokens at a time
 
 
 def test_stop_string_is_cut_with_finish_reason_stop(server: Server, offline: LLM) -> None:
