@@ -45,6 +45,7 @@ from bench.serve_metrics import (
     compute_metrics,
     format_offline_baseline,
     format_rounds,
+    format_server_cpu,
     format_table,
     parse_goodput,
     parse_percentiles,
@@ -338,6 +339,25 @@ def offline_engine(
     return run
 
 
+def server_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) so far of `pid` and of each of its descendants, by pid."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[int, float] = {}
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+            tasks = Path(f"/proc/{current}/task").iterdir()
+            children = [int(c) for t in tasks for c in (t / "children").read_text().split()]
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        seconds[current] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        todo.extend(children)
+    return seconds
+
+
 # ---------------------------------------------------------------- CLI
 
 
@@ -390,6 +410,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="pin the load generator to these CPUs, e.g. 0 (start the server pinned elsewhere: "
         "taskset -c 1 baton engine ...)",
+    )
+    p.add_argument(
+        "--server-pid",
+        type=int,
+        default=None,
+        help="the local server's process (`baton engine`): print the CPU time it and its child "
+        "processes (the EngineCore) spent over each run, and the API process's per output token",
     )
     p.add_argument(
         "--offline-cpus",
@@ -454,12 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for requests in workloads:  # the server, then the offline engine, alternated
         if args.client_cpus is not None:
             os.sched_setaffinity(0, args.client_cpus)
+        before = server_cpu(args.server_pid) if args.server_pid is not None else None
         try:
             result = asyncio.run(run_benchmark(config, requests))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(format_table(result))
+        if before is not None:
+            spent = {
+                pid: cpu - before.get(pid, 0.0) for pid, cpu in server_cpu(args.server_pid).items()
+            }
+            print(format_server_cpu(spent, args.server_pid, result.metrics["total_output_tokens"]))
         if not args.offline_baseline:
             continue
         if args.offline_cpus is not None:  # before torch loads: its thread count follows

@@ -206,6 +206,22 @@ def format_rounds(ratios: Sequence[float]) -> str:
     )
 
 
+def format_server_cpu(spent: Mapping[int, float], api_pid: int, output_tokens: int) -> str:
+    """The CPU seconds a local server's processes spent over a run (`--server-pid`): its API
+    process, the others (its EngineCore), and the API's per output token."""
+    api = spent.get(api_pid, 0.0)
+    others = sum(cpu for pid, cpu in spent.items() if pid != api_pid)
+    per_token = api / output_tokens * 1e6 if output_tokens else math.nan
+    return "\n".join(
+        [
+            _banner(" Server CPU over the run ", "-"),
+            _row("API process CPU (s):", api),
+            _row("Its child processes' CPU (s):", others),
+            _row("API CPU per output token (us):", per_token),
+        ]
+    )
+
+
 def format_offline_baseline(offline_tput: float, online_tput: float, ratio: float) -> str:
     """The offline-baseline block printed after the report, in the same layout."""
     return "\n".join(

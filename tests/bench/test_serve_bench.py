@@ -9,7 +9,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,7 @@ from bench.serve import (
     parse_percentiles,
     run_benchmark,
     sample_random_requests,
+    server_cpu,
 )
 
 # ---------------------------------------------------------------- compute_metrics
@@ -380,6 +386,51 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert data["config"]["request_rate"] == "inf"
     assert len(data["requests"]) == 2 and data["requests"][0]["output_tokens"] == 3
     assert "Request goodput (req/s):" in capsys.readouterr().out
+
+
+def test_server_cpu_counts_the_process_and_its_descendants() -> None:
+    """`--server-pid`'s reading: the CPU of a process and of every process under it (the
+    engine's API process and its EngineCore), each by pid."""
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    burn += "time.sleep(60)"
+    spawn = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"
+    parent = subprocess.Popen([sys.executable, "-c", spawn])
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            seen = server_cpu(parent.pid)
+            if len(seen) == 2 and max(seen.values()) >= 0.3:
+                break
+            time.sleep(0.05)
+        assert len(seen) == 2 and parent.pid in seen
+        (child,) = set(seen) - {parent.pid}
+        assert seen[child] >= 0.3 > seen[parent.pid]  # the child burnt it, not the parent
+    finally:
+        for pid in server_cpu(parent.pid):
+            os.kill(pid, signal.SIGKILL)
+        parent.wait()
+
+
+def test_cli_prints_the_servers_cpu_per_token(capsys: pytest.CaptureFixture[str]) -> None:
+    """With `--server-pid` (here this process, which serves the fake server) the report ends
+    with the CPU the server's processes spent over the run and the API's per output token."""
+
+    async def serve_and_run() -> int:
+        state = FakeServerState(bodies=[])
+        server, port = await _fake_openai_server(state)
+        try:
+            argv = ["--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "4"]
+            argv += ["--random-output-len", "5", "--server-pid", str(os.getpid())]
+            return await asyncio.to_thread(main, argv)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(serve_and_run()) == 0
+    out = capsys.readouterr().out
+    per_token = next(line for line in out.splitlines() if "API CPU per output token" in line)
+    assert float(per_token.split()[-1]) > 0  # this process served 20 tokens
+    assert "API process CPU (s):" in out
 
 
 # ---------------------------------------------------------------- offline baseline

@@ -55,19 +55,24 @@ OFF_LOOP_CHARS = 16 << 10
 _TOKENIZE_THREADS = 2
 
 
+Render = Callable[[str, list[int]], str]  # an event for its text and token ids
+
+
 def _text_event(
     cache: dict[int, r.TextEvents | None],
     index: int,
     text: str,
-    renderer: Callable[[int], Callable[[str], str]],
+    token_ids: list[int],
+    renderer: Callable[[int], tuple[Render, bool]],
 ) -> str:
-    """The event of choice `index` that carries `text` and nothing else that changes from one
-    such event to the next: `renderer(index)(text)`, made through the choice's `TextEvents`
-    (kept in `cache`, made from that renderer on the choice's first such event)."""
+    """The event of choice `index` that carries `text` (and `token_ids` where the renderer
+    says so) and nothing else that changes from one such event to the next: the renderer's
+    event, made through the choice's `TextEvents` (kept in `cache`, made on the choice's first
+    such event)."""
     if index not in cache:
-        cache[index] = r.TextEvents.make(renderer(index))
+        cache[index] = r.TextEvents.make(*renderer(index))
     events = cache[index]
-    return renderer(index)(text) if events is None else events(text)
+    return renderer(index)[0](text, token_ids) if events is None else events(text, token_ids)
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
@@ -418,8 +423,10 @@ class EngineServer:
             resumed_text = self._resumed_text(ids, req.resume_token_ids, params)
             cursors[0][0].resume(len(req.resume_token_ids), resumed_text, offset)
         echo_only = req.echo_only()
-        # Whether an event that carries text alone may come from its choice's `TextEvents`.
-        spliced = req.logprobs is None and not req.return_token_ids and not req.continuous_usage()
+        # Whether an event that carries only text (and token ids) may come from its choice's
+        # `TextEvents`.
+        spliced = req.logprobs is None and not req.continuous_usage()
+        with_ids = bool(req.return_token_ids)
         text_events: dict[int, r.TextEvents | None] = {}
 
         def chunk(choices: list[r.CompletionChoice], **extra: Any) -> str:
@@ -429,17 +436,19 @@ class EngineServer:
                 )
             )
 
-        def text_chunk(index: int) -> Callable[[str], str]:
-            """What an event that carries text alone is (see `spliced`)."""
+        def text_chunk(index: int) -> tuple[Render, bool]:
+            """What an event that carries only text (and token ids) is (see `spliced`)."""
             usage = self._chunk_usage(req, 0, 0)  # none, or null: the same on each
-            return lambda text: chunk(
-                [
-                    r.CompletionChoice(
-                        index=index, text=text, logprobs=None, finish_reason=None, stop_reason=None
-                    )
-                ],
-                **usage,
-            )
+
+            def render(text: str, token_ids: list[int]) -> str:
+                choice: dict[str, Any] = dict(
+                    index=index, text=text, logprobs=None, finish_reason=None, stop_reason=None
+                )
+                if with_ids:
+                    choice["token_ids"] = token_ids
+                return chunk([r.CompletionChoice(**choice)], **usage)
+
+            return render, with_ids
 
         def chunks(i: int, out: RequestOutput) -> Iterator[str]:
             for sample in out.outputs:
@@ -456,8 +465,14 @@ class EngineServer:
                     text = (out.prompt or "") + text
                     ids = out.prompt_token_ids + ids
                     entries = r.prompt_entries(out) + entries
-                if spliced and text and delta.finish_reason is None and delta.stop_reason is None:
-                    yield _text_event(text_events, i * req.n + sample.index, text, text_chunk)
+                if (
+                    spliced
+                    and delta.finish_reason is None
+                    and delta.stop_reason is None
+                    and (started if with_ids else text)  # the first has the prompt's ids
+                ):
+                    index = i * req.n + sample.index
+                    yield _text_event(text_events, index, text, delta.token_ids, text_chunk)
                     continue
                 shown = text or delta.finish_reason or req.logprobs is not None
                 if not (shown or req.return_token_ids):
@@ -533,10 +548,10 @@ class EngineServer:
         parsers = [ChoiceParser(mode) for _ in range(req.n)]
         texts = [""] * req.n
         plain = mode.tool_parser is None and mode.reasoning is None
-        # Whether an event that carries text alone may come from its choice's `TextEvents`.
-        spliced = (
-            plain and not req.logprobs and not req.return_token_ids and not req.continuous_usage()
-        )
+        # Whether an event that carries only text (and token ids) may come from its choice's
+        # `TextEvents`.
+        spliced = plain and not req.logprobs and not req.continuous_usage()
+        with_ids = bool(req.return_token_ids)
         text_events: dict[int, r.TextEvents | None] = {}
 
         def chunk(choices: list[r.ChatStreamChoice], **extra: Any) -> str:
@@ -546,21 +561,23 @@ class EngineServer:
                 )
             )
 
-        def text_chunk(index: int) -> Callable[[str], str]:
-            """What an event that carries text alone is (see `spliced`)."""
+        def text_chunk(index: int) -> tuple[Render, bool]:
+            """What an event that carries only text (and token ids) is (see `spliced`)."""
             usage = self._chunk_usage(req, len(ids), 0)  # none, or null: the same on each
-            return lambda text: chunk(
-                [
-                    r.ChatStreamChoice(
-                        index=index,
-                        delta=r.DeltaMessage(content=text),
-                        logprobs=None,
-                        finish_reason=None,
-                        stop_reason=None,
-                    )
-                ],
-                **usage,
-            )
+
+            def render(text: str, token_ids: list[int]) -> str:
+                choice: dict[str, Any] = dict(
+                    index=index,
+                    delta=r.DeltaMessage(content=text),
+                    logprobs=None,
+                    finish_reason=None,
+                    stop_reason=None,
+                )
+                if with_ids:
+                    choice["token_ids"] = token_ids
+                return chunk([r.ChatStreamChoice(**choice)], **usage)
+
+            return render, with_ids
 
         resumed = req.resume_token_ids
         if resumed is not None:  # n=1: go on from what the first stream sent
@@ -577,7 +594,8 @@ class EngineServer:
                     continue
                 finish = _finish_reason(delta)
                 if spliced and delta.text and finish is None and delta.stop_reason is None:
-                    yield _text_event(text_events, sample.index, delta.text, text_chunk)
+                    text, token_ids = delta.text, delta.token_ids
+                    yield _text_event(text_events, sample.index, text, token_ids, text_chunk)
                     continue
                 if plain:
                     message = r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage()

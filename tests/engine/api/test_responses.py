@@ -101,69 +101,74 @@ _TEXTS = [
 ]
 
 
-def _completion_event(usage: dict[str, Any]) -> Callable[[str], str]:
-    return lambda text: r.sse(
-        r.CompletionChunk(
-            id="cmpl-1",
-            created=1,
-            model="m",
-            choices=[
-                r.CompletionChoice(
-                    index=2, text=text, logprobs=None, finish_reason=None, stop_reason=None
-                )
-            ],
-            **usage,
-        )
-    )
+Render = Callable[[str, list[int]], str]
 
 
-def _chat_event(text: str) -> str:
-    return r.sse(
-        r.ChatCompletionChunk(
-            id="chatcmpl-1",
-            created=1,
-            model="m",
-            choices=[
-                r.ChatStreamChoice(
-                    index=0,
-                    delta=r.DeltaMessage(content=text),
-                    logprobs=None,
-                    finish_reason=None,
-                    stop_reason=None,
-                )
-            ],
+def _completion_event(usage: dict[str, Any], with_ids: bool) -> Render:
+    def render(text: str, token_ids: list[int]) -> str:
+        ids = {"token_ids": token_ids} if with_ids else {}
+        choice = r.CompletionChoice(
+            index=2, text=text, logprobs=None, finish_reason=None, stop_reason=None, **ids
         )
-    )
+        return r.sse(
+            r.CompletionChunk(id="cmpl-1", created=1, model="m", choices=[choice], **usage)
+        )
+
+    return render
+
+
+def _chat_event(with_ids: bool) -> Render:
+    def render(text: str, token_ids: list[int]) -> str:
+        choice = r.ChatStreamChoice(
+            index=0,
+            delta=r.DeltaMessage(content=text),
+            logprobs=None,
+            finish_reason=None,
+            stop_reason=None,
+            **({"token_ids": token_ids} if with_ids else {}),
+        )
+        return r.sse(r.ChatCompletionChunk(id="chatcmpl-1", created=1, model="m", choices=[choice]))
+
+    return render
 
 
 @pytest.mark.parametrize(
-    "render",
-    [_completion_event({}), _completion_event({"usage": None}), _chat_event],
-    ids=["completion", "completion-usage-null", "chat"],
+    ("render", "with_ids"),
+    [
+        (_completion_event({}, False), False),
+        (_completion_event({"usage": None}, False), False),
+        (_completion_event({}, True), True),
+        (_chat_event(False), False),
+        (_chat_event(True), True),
+    ],
+    ids=["completion", "completion-usage-null", "completion-token-ids", "chat", "chat-token-ids"],
 )
-def test_text_events_are_the_models_events(render: Callable[[str], str]) -> None:
+def test_text_events_are_the_models_events(render: Render, with_ids: bool) -> None:
     """An event spliced from the template is, byte for byte, the event the chunk's models
-    make for the same text, whatever the text holds."""
-    events = r.TextEvents.make(render)
+    make for the same text (and token ids), whatever the text holds."""
+    events = r.TextEvents.make(render, with_ids)
     assert events is not None
-    for text in _TEXTS:
-        assert events(text) == render(text), repr(text)
+    for k, text in enumerate(_TEXTS):
+        ids = [*range(k), 2**40]  # one to several, one past any vocabulary
+        assert events(text, ids) == render(text, ids), repr(text)
 
 
-def test_text_events_are_refused_where_the_marker_shows_twice() -> None:
-    """A template that holds the marker's JSON anywhere but as the text (a field whose value
-    is the marker) is refused, and the stream renders through the models instead."""
+def test_text_events_are_refused_where_a_marker_shows_twice() -> None:
+    """A template that holds a marker's JSON anywhere but where the text or the ids go (a
+    field whose value is the marker) is refused, and the stream renders through the models."""
     marker = "\x00\x01baton-text\x01\x00"
 
-    def render(text: str) -> str:
-        return r.sse(
-            r.CompletionChunk(
-                id=marker,
-                created=1,
-                model="m",
-                choices=[r.CompletionChoice(index=0, text=text)],
-            )
-        )
+    def render(response_id: str, prompt_ids: list[int] | None = None) -> Render:
+        def event(text: str, token_ids: list[int]) -> str:
+            choice = r.CompletionChoice(index=0, text=text, token_ids=token_ids)
+            if prompt_ids is not None:
+                choice.prompt_token_ids = token_ids
+            return r.sse(r.CompletionChunk(id=response_id, created=1, model="m", choices=[choice]))
 
-    assert r.TextEvents.make(render) is None
-    assert r.TextEvents.make(lambda text: "no marker here") is None
+        return event
+
+    assert r.TextEvents.make(render("cmpl-1"), True) is not None
+    assert r.TextEvents.make(render(marker), False) is None
+    assert r.TextEvents.make(render(marker), True) is None
+    assert r.TextEvents.make(render("cmpl-1", []), True) is None  # the ids' marker twice
+    assert r.TextEvents.make(lambda text, ids: "no marker here", False) is None

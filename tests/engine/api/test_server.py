@@ -107,35 +107,42 @@ def test_async_stream_equals_non_stream(server: Server) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+@pytest.mark.parametrize("with_ids", [False, True], ids=["text", "text-and-token-ids"])
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
-def test_streamed_events_are_the_chunk_models_own_rendering(server: Server, route: str) -> None:
-    """Every event of a stream, those whose text the server splices into a template included
-    (`responses.TextEvents`), is byte for byte what the chunk's models render from its own
-    content; the events' text joins to the whole answer's."""
+def test_streamed_events_are_the_chunk_models_own_rendering(
+    server: Server, route: str, with_ids: bool
+) -> None:
+    """Every event of a stream, those whose text (and token ids, as the router asks for them)
+    the server splices into a template included (`responses.TextEvents`), is byte for byte what
+    the chunk's models render from its own content; the events' text and ids join to the whole
+    answer's."""
     chunk_model: Any = r.CompletionChunk if route == "completions" else r.ChatCompletionChunk
     body: dict[str, Any] = {"model": NAME, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     if route == "completions":
         body["prompt"] = PROMPTS[0]
     else:
         body["messages"] = [{"role": "user", "content": PROMPTS[0]}]
-    whole = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30).json()
+    if with_ids:
+        body["return_token_ids"] = True
+    whole = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=30).json()["choices"][0]
     with httpx.stream(
         "POST", f"{server.url}/v1/{route}", json={**body, "stream": True}, timeout=30
     ) as response:
         raw = response.read().decode()
     events = raw.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
-    texts = []
+    texts, ids = [], []
     for event in events[:-2]:
         chunk = chunk_model.model_validate_json(event.removeprefix("data: "))
         assert r.sse(chunk) == event + "\n\n"
         for choice in chunk.choices:
             texts.append(choice.text if route == "completions" else choice.delta.content or "")
-    expected = whole["choices"][0]
+            ids += choice.token_ids or []
     assert "".join(texts) == (
-        expected["text"] if route == "completions" else expected["message"]["content"]
+        whole["text"] if route == "completions" else whole["message"]["content"]
     )
     assert len(texts) > 10  # the answer came a few tokens at a time
+    assert ids == (whole["token_ids"] if with_ids else [])
 
 
 def test_stop_string_is_cut_with_finish_reason_stop(server: Server, offline: LLM) -> None:
