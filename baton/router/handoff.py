@@ -120,8 +120,12 @@ class Handoff:
             self._count("failed", routed, "no decode engine")
             raise APIError(503, f"no healthy decode engine serves the model `{routed.model}`")
         prompt = routed.prompt
+        # A hand-off moves one prompt's KV for one sample (the engines refuse anything else):
+        # a batch of prompts, or several samples of one, is computed on the decode engine.
         if prompt.num_prompts > 1:
             return await self._decode(routed, decode, "decode_only_fallback", "a batch of prompts")
+        if isinstance(n := routed.body.get("n"), int) and n > 1:
+            return await self._decode(routed, decode, "decode_only_fallback", f"n={n}")
         if wants_prompt_logprobs(routed.route, routed.body):
             return await self._decode(routed, decode, "decode_only_fallback", "prompt logprobs")
         cached = router.view.cached_tokens(decode.url, prompt)

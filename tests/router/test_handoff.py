@@ -129,6 +129,35 @@ def test_no_prefill_engine_follows_on_no_prefill(cluster: FakeCluster, policy: s
             assert _outcomes(router) == _only("failed", 3)
 
 
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_several_samples_are_computed_on_the_decode_engine(
+    cluster: FakeCluster, route: str
+) -> None:
+    """`n` > 1 is never handed off (one prompt's KV serves one sample; the engines refuse
+    more): the decode engine computes the prompt and every sample, and the choice is
+    counted. `n` = 1 is handed off as ever."""
+    prefill, _ = cluster.add("prefill")
+    decode, _ = cluster.add("decode")
+    body: dict[str, Any] = {"model": "fake", "max_tokens": 2}
+    if route == "/v1/completions":
+        body["prompt"] = LONG
+    else:
+        body["messages"] = [{"role": "user", "content": LONG}]
+    with routed(cluster) as router:
+        several = httpx.post(f"{router.url}{route}", json={**body, "n": 2})
+        assert several.status_code == 200, several.text
+        assert prefill.requests == []
+        assert decode.requests[0]["n"] == 2 and "kv_transfer_params" not in decode.requests[0]
+        assert _outcomes(router) == _only("decode_only_fallback", 1)
+        other = (
+            {"prompt": f"other {LONG}"}
+            if route == "/v1/completions"
+            else {"messages": [{"role": "user", "content": f"other {LONG}"}]}
+        )  # not cached on the decode engine by the first
+        one = httpx.post(f"{router.url}{route}", json={**body, **other, "n": 1})
+        assert one.status_code == 200 and prefill.prefills == 1
+
+
 def test_a_prefill_answer_without_params_falls_back_visibly(cluster: FakeCluster) -> None:
     """A prefill engine that answers without kv_transfer_params: decode alone, counted."""
     prefill, _ = cluster.add("prefill")
