@@ -113,28 +113,43 @@ class Tokenizer:
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> list[int] | str:
         """A conversation rendered by the chat template: its token ids, or the text.
 
         `chat_template` is a template, or a name among the model's templates; `kwargs` reach the
         template beside the special tokens (they win on a clash). The text's ids carry no extra
-        special tokens: the template writes those it wants.
+        special tokens: the template writes those it wants. `continue_final_message` (as in
+        transformers, and not with `add_generation_prompt`) leaves the last message open, so
+        that the model goes on from its text: what the template writes after that text (an
+        end-of-turn token, say) is cut off. A ValueError says why a conversation cannot be
+        rendered so.
         """
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m for m in messages
         ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be set: the first "
+                "goes on with the last message, the second opens a new assistant message"
+            )
         template = _compile(self._pick_template(chat_template, tools))
         # As in transformers: a None field is left out (templates test for missing keys, and
         # would render "None"), and tools and documents are always defined, None when absent.
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if continue_final_message:
+            _mark_final_message(conversation)
         text = template.render(
-            messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+            messages=conversation,
             tools=tools,
             documents=documents,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **kwargs},
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _pick_template(self, chat_template: str | None, tools: list[Any] | None) -> str:
@@ -152,6 +167,48 @@ class Tokenizer:
                 f"the model has several chat templates and none named default: {sorted(named)}"
             )
         raise ValueError("the model's tokenizer has no chat template")
+
+
+# Marks where the final message's text ends, for `continue_final_message`: the space after it
+# shows whether the template kept the text's trailing whitespace.
+_CONTINUE_TAG = "BATON_CONTINUE_FINAL_MESSAGE"
+
+
+def _mark_final_message(conversation: list[dict[str, Any]]) -> None:
+    """Appends the tag to the last message's text (its content, or the last text part of it),
+    in copies: the caller's messages stay as they were."""
+    if not conversation:
+        raise ValueError("continue_final_message needs a message to continue")
+    final = conversation[-1]
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG + " "
+        return
+    if isinstance(content, list):
+        for i in reversed(range(len(content))):
+            part = content[i]
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                final["content"] = [
+                    *content[:i],
+                    {**part, "text": part["text"] + _CONTINUE_TAG + " "},
+                    *content[i + 1 :],
+                ]
+                return
+    raise ValueError("continue_final_message needs a final message with text to continue")
+
+
+def _cut_after_final_message(text: str) -> str:
+    """The rendered text up to the end of the final message's text (`_mark_final_message`):
+    where the template trimmed the text's trailing whitespace, without it too."""
+    at = text.rfind(_CONTINUE_TAG)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the final message's "
+            "text as it is, so it cannot be continued"
+        )
+    if text.startswith(_CONTINUE_TAG + " ", at):
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokenizer:

@@ -131,6 +131,66 @@ def test_chat_prompts_equal_transformers(request: pytest.FixtureRequest, name: s
     _assert_same_chat(load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder)))
 
 
+# Conversations whose last message goes on: with trailing spaces (which a template may trim),
+# and as content parts.
+CONTINUED: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe"}],
+    [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "The 4x100 m.  "}],
+    [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "漢字 ✓ "}],
+    [
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "One"}, {"type": "text", "text": "Two "}],
+        },
+    ],
+    [{"role": "user", "content": "Finish my sentence: the baton"}],
+]
+# A template that trims each message's text, as many do, and one that writes content parts.
+TRIMMING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{% if m.content is string %}{{ m.content }}"
+    "{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}</s>{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("name", ["llama", "smollm2", "spiece"])
+def test_continue_final_message_equals_transformers(
+    request: pytest.FixtureRequest, name: str
+) -> None:
+    """`continue_final_message` leaves the last message open exactly as transformers does:
+    the text after it cut off, the trailing whitespace the template trims gone too, content
+    parts continued from their last text; and it is refused with the generation prompt."""
+    folder = _folders(request, name)
+    ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    strings = [c for c in CONTINUED if isinstance(c[-1]["content"], str)]
+    for template, conversations in (
+        (None, strings),
+        (TRIMMING_TEMPLATE, strings),
+        (PARTS_TEMPLATE, CONTINUED),
+    ):
+        for conv in conversations:
+            kwargs: dict[str, Any] = {"chat_template": template, "continue_final_message": True}
+            text = ours.apply_chat_template(conv, tokenize=False, **kwargs)
+            assert text == ref.apply_chat_template(conv, tokenize=False, **kwargs), (conv, template)
+            assert not text.endswith(("</s>", "<|im_end|>", "<|im_end|>\n"))
+            ids = ours.apply_chat_template(conv, **kwargs)
+            assert ids == ref.apply_chat_template(conv, return_dict=False, **kwargs)
+    with pytest.raises(ValueError, match="cannot both be set"):
+        ours.apply_chat_template(
+            CONTINUED[0], add_generation_prompt=True, continue_final_message=True
+        )
+    no_text = [{"role": "assistant", "content": None, "tool_calls": []}]
+    with pytest.raises(ValueError, match="text to continue"):
+        ours.apply_chat_template(no_text, continue_final_message=True)
+    dropping = "{% for m in messages %}{{ m.role }}{% endfor %}"  # never writes the text
+    with pytest.raises(ValueError, match="cannot be continued"):
+        ours.apply_chat_template(CONTINUED[0], chat_template=dropping, continue_final_message=True)
+
+
 def test_rich_template_equals_transformers(tiny_model) -> None:
     """A template using every feature transformers offers (special tokens, namespace, loop
     controls, tojson, strftime_now, tools, extra kwargs, {% generation %}) renders the same."""

@@ -92,8 +92,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of them, through the chat template."""
+        """Generates replies to one conversation or a list of them, through the chat template.
+        `continue_final_message` goes on with each conversation's last message (as vLLM's,
+        with `add_generation_prompt=False`)."""
         conversations = cast(
             "list[list[dict[str, Any]]]",
             messages if messages and isinstance(messages[0], list) else [messages],
@@ -101,7 +104,10 @@ class LLM:
         prompts: list[PromptType] = [
             {
                 "prompt_token_ids": self.tokenizer.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                    continue_final_message=continue_final_message,
                 )
             }
             for conv in conversations

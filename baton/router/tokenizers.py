@@ -106,11 +106,14 @@ def _chat_ids(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int] | None:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict) or not (tools is None or isinstance(tools, list)):
         return None
+    continued = body.get("continue_final_message") is True  # as the engine renders it
     text = tokenizer.apply_chat_template(
         [m for m in conversation if m is not None],
         tokenize=False,
-        add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+        add_generation_prompt=body.get("add_generation_prompt", True) is not False
+        and not continued,
         tools=tools or None,
+        continue_final_message=continued,
         **kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)

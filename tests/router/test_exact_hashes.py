@@ -55,6 +55,16 @@ BODIES: list[tuple[str, dict[str, Any]]] = [
             ]
         },
     ),
+    (  # the last message left open (`continue_final_message`)
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": TEXT},
+                {"role": "assistant", "content": "The baton is"},
+            ],
+            "continue_final_message": True,
+        },
+    ),
 ]
 
 

@@ -518,12 +518,14 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (vLLM)
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         self._check_common()
         self._check_tools()
+        check_continuation(self)
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -585,11 +587,34 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        check_continuation(self)
+
+
+def check_continuation(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """`continue_final_message` goes on with the last message rather than opening a new one,
+    so the generation prompt (on by default) is off with it; asking for both is a 400, with
+    vLLM's words."""
+    if (
+        req.continue_final_message
+        and req.add_generation_prompt
+        and "add_generation_prompt" in req.model_fields_set
+    ):
+        raise APIError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+
+
+def generation_prompt(req: ChatCompletionRequest | TokenizeRequest) -> bool:
+    """Whether the chat template adds the opening of the assistant's answer."""
+    return req.add_generation_prompt and not req.continue_final_message
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -345,6 +345,7 @@ class EngineServer:
         template: str | None,
         tool_dicts: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,  # the request's chat_template_kwargs
+        continue_final_message: bool = False,
     ) -> tuple[str, list[int]]:
         """The rendered prompt's text and token ids."""
         self._check_chat_template(template)
@@ -359,6 +360,7 @@ class EngineServer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
                 tools=tool_dicts,
+                continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
             return text, self._encode(text, add_special_tokens=False)
@@ -507,10 +509,11 @@ class EngineServer:
         client_id = header_request_id or req.request_id
         prompt, ids = await self._render_chat(
             req.messages,
-            req.add_generation_prompt,
+            p.generation_prompt(req),
             req.chat_template,
             req.template_tools(),
             req.chat_template_kwargs,
+            req.continue_final_message,
         )
         mode = tools.output_mode(req, self.tool_config, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -850,7 +853,12 @@ class EngineServer:
         req.check()
         self._check_model(req.model)
         if req.messages is not None:
-            _, ids = await self._render_chat(req.messages, req.add_generation_prompt, None)
+            _, ids = await self._render_chat(
+                req.messages,
+                p.generation_prompt(req),
+                None,
+                continue_final_message=req.continue_final_message,
+            )
         else:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
             _, ids = await self._tokenize_prompt(req.prompt or "", add_special)

@@ -145,6 +145,50 @@ def test_streamed_events_are_the_chunk_models_own_rendering(
     assert ids == (whole["token_ids"] if with_ids else [])
 
 
+def test_chat_continues_the_final_message(server: Server, offline: LLM) -> None:
+    """`continue_final_message` (vLLM's) renders the last message open: the prompt is
+    `LLM.chat`'s with it (and /tokenize's), with no end of turn after the assistant's text,
+    and the answer goes on from there; asking for the generation prompt too is a 400."""
+    messages: Any = [
+        {"role": "user", "content": "Pass the baton"},
+        {"role": "assistant", "content": "The baton goes"},
+    ]
+    expected = offline.chat(
+        messages, _greedy(8), add_generation_prompt=False, continue_final_message=True
+    )[0]
+    whole = offline.chat(messages, _greedy(8), add_generation_prompt=False)[0]
+    assert expected.prompt_token_ids != whole.prompt_token_ids  # the turn is left open
+    body: dict[str, Any] = {
+        "model": NAME,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "continue_final_message": True,
+    }
+    for flags in ({"add_generation_prompt": False}, {}):  # the prompt's default gives way
+        resp = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **flags}, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["prompt_token_ids"] == expected.prompt_token_ids
+        _assert_same_greedy(resp.json()["choices"][0]["token_ids"], expected)
+    tokenized = httpx.post(
+        f"{server.url}/tokenize",
+        json={"model": NAME, "messages": messages, "continue_final_message": True},
+        timeout=30,
+    )
+    assert tokenized.json()["tokens"] == expected.prompt_token_ids
+    both = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={**body, "add_generation_prompt": True},
+        timeout=30,
+    )
+    error = expect_error(both, 400)
+    assert (
+        "Cannot set both `continue_final_message` and `add_generation_prompt`" in error["message"]
+    )
+
+
 def test_stop_string_is_cut_with_finish_reason_stop(server: Server, offline: LLM) -> None:
     """A stop string found in the output ends the text just before it, streamed or not."""
     text = offline.generate(PROMPTS[1], _greedy(40))[0].outputs[0].text
