@@ -79,6 +79,8 @@ class Tokenizers:
 def prompt_token_ids(tokenizer: Tokenizer, route: str, body: dict[str, Any]) -> list[int] | None:
     """The token ids the engine will compute for `body`'s (first) prompt; None when the router
     cannot tell them exactly."""
+    if body.get("truncate_prompt_tokens") is not None:
+        return None  # the engine keeps the last k tokens, k by its own max_model_len for -1
     try:
         if route == "/v1/chat/completions":
             return _chat_ids(tokenizer, body)
@@ -87,7 +89,7 @@ def prompt_token_ids(tokenizer: Tokenizer, route: str, body: dict[str, Any]) -> 
             prompt = prompt[0]
         if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
             return list(prompt)
-        if isinstance(prompt, str) and body.get("truncate_prompt_tokens") is None:
+        if isinstance(prompt, str):
             special = body.get("add_special_tokens", True)
             return tokenizer.encode(prompt, add_special_tokens=special is not False)
     except Exception:  # a prompt the engine will refuse with a 400; routing does not care

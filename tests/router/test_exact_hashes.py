@@ -140,6 +140,19 @@ def test_the_routers_hashes_are_the_engines(engines: dict[str, Engine], arch: st
         assert not set(unsalted) & set(salted)
 
 
+def test_truncated_prompts_are_left_to_the_engine(engines: dict[str, Engine]) -> None:
+    """With `truncate_prompt_tokens` the engine keeps the prompt's last k tokens (k its own
+    max_model_len for -1): the router does not claim to know them, whatever the prompt."""
+    engine = engines[ARCHITECTURES[0]]
+    tokenizer = Tokenizer.from_wire(
+        httpx.get(engine.server.url + TOKENIZER_PATH, timeout=10).json()
+    )
+    for route, body in [*BODIES, ("/v1/completions", {"prompt": [5, 6, 7, 8]})]:
+        assert prompt_token_ids(tokenizer, route, body) is not None
+        truncated = {**body, "truncate_prompt_tokens": 2}
+        assert prompt_token_ids(tokenizer, route, truncated) is None, (route, body)
+
+
 @pytest.mark.parametrize("source", ["api-key", "header"])
 def test_tenants_never_hit_each_others_blocks(engines: dict[str, Engine], source: str) -> None:
     """Through a router that salts per tenant (from the API key, or a tenant header, replacing

@@ -142,6 +142,9 @@ class _GenerationRequest(OpenAIBaseModel):
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[str] = Field(default_factory=list)
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the model takes)
+    truncate_prompt_tokens: Int64 | None = None
+    use_beam_search: bool = False  # vLLM's; refused rather than ignored
     structured_outputs: StructuredOutputsRequest | None = None
     # Baton's: resume an answer another engine began (the router's mid-stream migration). The
     # output token ids the client already got; the answer goes on as if this engine had
@@ -164,6 +167,15 @@ class _GenerationRequest(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
 
     def _check_common(self) -> None:
+        if self.use_beam_search:
+            raise APIError(400, "beam search is not supported", "use_beam_search")
+        k = self.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1):
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens must be an integer >= 1 or -1, got {k}",
+                "truncate_prompt_tokens",
+            )
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options can only be set when stream is true", "stream_options"

@@ -321,6 +321,22 @@ class EngineServer:
             self._tokenize_pool, self._encode, prompt, add_special_tokens
         )
 
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
+        the model takes); more than the model takes is a 400, with vLLM's words."""
+        if keep is None:
+            return ids
+        limit = self.llm.max_model_len
+        if keep > limit:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({limit})."
+                " Please, select a smaller truncation size.",
+                "truncate_prompt_tokens",
+            )
+        keep = limit if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def _check_prompt(self, ids: list[int], param: str) -> None:
         try:
             check_prompt_token_ids(ids, self.llm.max_model_len, self.llm.vocab_size)
@@ -386,6 +402,8 @@ class EngineServer:
         inputs = []
         for prompt in req.prompts():
             text, ids = await self._tokenize_prompt(prompt, req.add_special_tokens)
+            if (kept := self._truncate(ids, req.truncate_prompt_tokens)) is not ids:
+                text, ids = None, kept  # the text is the kept tokens' (for an echo)
             max_tokens = p.resolve_max_tokens(
                 req.max_tokens, 16, len(ids), self.llm.max_model_len, "prompt"
             )
@@ -517,6 +535,7 @@ class EngineServer:
         )
         mode = tools.output_mode(req, self.tool_config, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        ids = self._truncate(ids, req.truncate_prompt_tokens)
         max_tokens = p.resolve_max_tokens(
             req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
         )

@@ -189,6 +189,56 @@ def test_chat_continues_the_final_message(server: Server, offline: LLM) -> None:
     )
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server: Server) -> None:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens are the prompt (completions
+    and chat alike), the answer is the answer to those alone; -1 keeps what the model takes;
+    0, below -1 or above max_model_len is a 400."""
+    url = f"{server.url}/v1"
+    ids = list(range(10, 40))
+    greedy: dict[str, Any] = {"model": NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    greedy["return_token_ids"] = True
+    cut = httpx.post(
+        f"{url}/completions", json={**greedy, "prompt": ids, "truncate_prompt_tokens": 7}
+    ).json()["choices"][0]
+    alone = httpx.post(f"{url}/completions", json={**greedy, "prompt": ids[-7:]}).json()
+    assert cut["prompt_token_ids"] == ids[-7:]
+    assert cut["token_ids"] == alone["choices"][0]["token_ids"]
+    echoed = httpx.post(
+        f"{url}/completions",
+        json={
+            **greedy,
+            "prompt": "The relay team passed the baton",
+            "echo": True,
+            "truncate_prompt_tokens": 3,
+        },
+    ).json()["choices"][0]
+    kept = httpx.post(
+        f"{server.url}/detokenize", json={"model": NAME, "tokens": echoed["prompt_token_ids"]}
+    ).json()["prompt"]
+    assert len(echoed["prompt_token_ids"]) == 3 and echoed["text"].startswith(kept)
+    assert "The relay" not in echoed["text"]
+    messages = [{"role": "user", "content": "Pass the baton, and quickly"}]
+    full = httpx.post(f"{server.url}/tokenize", json={"model": NAME, "messages": messages})
+    chat = httpx.post(
+        f"{url}/chat/completions",
+        json={**greedy, "messages": messages, "truncate_prompt_tokens": 5},
+    ).json()
+    assert chat["prompt_token_ids"] == full.json()["tokens"][-5:]
+    whole = httpx.post(
+        f"{url}/completions", json={**greedy, "prompt": ids, "truncate_prompt_tokens": -1}
+    ).json()["choices"][0]
+    assert whole["prompt_token_ids"] == ids
+    for k in (0, -2, MAX_MODEL_LEN + 1):
+        refused = httpx.post(
+            f"{url}/completions", json={**greedy, "prompt": ids, "truncate_prompt_tokens": k}
+        )
+        assert "truncate_prompt_tokens" in expect_error(refused, 400)["message"], k
+    beams = httpx.post(
+        f"{url}/completions", json={**greedy, "prompt": ids, "use_beam_search": True}
+    )
+    assert "beam search" in expect_error(beams, 400)["message"]
+
+
 def test_stop_string_is_cut_with_finish_reason_stop(server: Server, offline: LLM) -> None:
     """A stop string found in the output ends the text just before it, streamed or not."""
     text = offline.generate(PROMPTS[1], _greedy(40))[0].outputs[0].text
