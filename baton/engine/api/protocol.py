@@ -145,6 +145,7 @@ class _GenerationRequest(OpenAIBaseModel):
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the model takes)
     truncate_prompt_tokens: Int64 | None = None
     use_beam_search: bool = False  # vLLM's; refused rather than ignored
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs show "token_id:<id>"
     structured_outputs: StructuredOutputsRequest | None = None
     # Baton's: resume an answer another engine began (the router's mid-stream migration). The
     # output token ids the client already got; the answer goes on as if this engine had

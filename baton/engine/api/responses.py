@@ -276,7 +276,15 @@ def _finite(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
+def token_id_str(token: int) -> str:
+    """A token as vLLM's `return_tokens_as_token_ids` shows it in logprobs: its id, which
+    survives where its text alone would not (a byte of a character, say)."""
+    return f"token_id:{token}"
+
+
 def _token_str(token: int, entry: dict[int, Logprob], decode: DecodeToken) -> str:
+    if decode is token_id_str:  # the text the engine decoded is not wanted
+        return decode(token)
     lp = entry.get(token)
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token

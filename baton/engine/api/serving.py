@@ -146,6 +146,11 @@ class EngineServer:
     def decode_token(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
+    def _logprob_tokens(self, req: p.CompletionRequest | p.ChatCompletionRequest) -> r.DecodeToken:
+        """How the request's logprobs show a token: its text, or with vLLM's
+        `return_tokens_as_token_ids` its id."""
+        return r.token_id_str if req.return_tokens_as_token_ids else self.decode_token
+
     # -- the request's constraints --
 
     def _validate(self, constraint: StructuredOutputsParams, field: str) -> None:
@@ -415,6 +420,7 @@ class EngineServer:
             inputs.append(((text, ids), params))
         await self._finish_params(req, [params for _, params in inputs])
         response_id, created = f"cmpl-{client_id or p.random_id()}", int(time.time())
+        decode = self._logprob_tokens(req)
         streams, release = self._open(
             req, [_internal_id(f"{response_id}-{i}") for i in range(len(inputs))], inputs
         )
@@ -428,7 +434,7 @@ class EngineServer:
                     created,
                     self.model_name,
                     outs,
-                    self.decode_token,
+                    decode,
                     self.prompt_tokens_details,
                 ),
             )
@@ -439,7 +445,7 @@ class EngineServer:
             offset = 0
             if req.logprobs is not None:  # where the first stream's logprobs left off
                 shown = (ids if req.echo else []) + req.resume_token_ids
-                offset = sum(len(self.decode_token(t)) for t in shown)
+                offset = sum(len(decode(t)) for t in shown)
             resumed_text = self._resumed_text(ids, req.resume_token_ids, params)
             cursors[0][0].resume(len(req.resume_token_ids), resumed_text, offset)
         echo_only = req.echo_only()
@@ -506,7 +512,7 @@ class EngineServer:
                 }
                 if req.logprobs is not None:
                     choice["logprobs"], cursor.text_offset = r.completion_logprobs(
-                        ids, entries, req.logprobs, cursor.text_offset, self.decode_token
+                        ids, entries, req.logprobs, cursor.text_offset, decode
                     )
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids
@@ -541,6 +547,7 @@ class EngineServer:
         )
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
+        decode = self._logprob_tokens(req)
         params = req.to_sampling_params(max_tokens)
         self._check_resume(req, ids, params)
         params.structured_outputs = tools.constraint(
@@ -561,7 +568,7 @@ class EngineServer:
                     created,
                     self.model_name,
                     outs[0],
-                    self.decode_token,
+                    decode,
                     mode=mode,
                     prompt_tokens_details=self.prompt_tokens_details,
                 ),
@@ -642,7 +649,7 @@ class EngineServer:
                         delta.token_ids,
                         delta.logprobs or [],
                         req.top_logprobs or 0,
-                        self.decode_token,
+                        decode,
                     )
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids

@@ -5,6 +5,7 @@ errors and metrics. Load, aborts, drain and engine death are in test_server_life
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,48 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server: Server) ->
         f"{url}/completions", json={**greedy, "prompt": ids, "use_beam_search": True}
     )
     assert "beam search" in expect_error(beams, 400)["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_show_token_ids_when_asked(server: Server, stream: bool) -> None:
+    """vLLM's `return_tokens_as_token_ids`: every token in the logprobs, sampled or among the
+    top ones, echoed or not, is `token_id:<id>` (its bytes those of that string in chat), the
+    ids those of the answer; the text is unchanged."""
+    base: dict[str, Any] = {"model": NAME, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    base |= {"return_token_ids": True, "return_tokens_as_token_ids": True, "stream": stream}
+
+    def answers(route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        url = f"{server.url}/v1/{route}"
+        if not stream:
+            return [httpx.post(url, json=body, timeout=30).json()["choices"][0]]
+        with httpx.stream("POST", url, json=body, timeout=30) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        return [c for c in (json.loads(line)["choices"] for line in lines) for c in c]
+
+    body = {**base, "prompt": PROMPTS[0], "logprobs": 2, "echo": not stream}
+    choices = answers("completions", body)
+    tokens = [t for c in choices if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+    ids = [t for c in choices for t in (c.get("prompt_token_ids") or []) if not stream]
+    ids += [t for c in choices for t in c.get("token_ids") or []]
+    assert tokens == [f"token_id:{t}" for t in ids]
+    tops = [
+        k
+        for c in choices
+        if c.get("logprobs")
+        for top in c["logprobs"]["top_logprobs"]
+        if top
+        for k in top
+    ]
+    assert tops and all(k.startswith("token_id:") for k in tops)
+    chat_body = {**base, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    chat = answers("chat/completions", {**chat_body, "top_logprobs": 2})
+    entries = [e for c in chat if c.get("logprobs") for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in entries] == [
+        f"token_id:{t}" for c in chat for t in c.get("token_ids") or []
+    ]
+    for e in entries:
+        assert e["bytes"] == list(e["token"].encode())
+        assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
 
 
 def test_stop_string_is_cut_with_finish_reason_stop(server: Server, offline: LLM) -> None:
