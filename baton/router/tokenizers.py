@@ -104,9 +104,11 @@ def _chat_ids(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int] | None:
     conversation = [_message(m) for m in messages]
     if any(m is None for m in conversation):
         return None
-    tools = body.get("tools")
+    tools, documents = body.get("tools"), body.get("documents")
     kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict) or not (tools is None or isinstance(tools, list)):
+    if not isinstance(kwargs, dict) or not all(
+        x is None or isinstance(x, list) for x in (tools, documents)
+    ):
         return None
     continued = body.get("continue_final_message") is True  # as the engine renders it
     text = tokenizer.apply_chat_template(
@@ -115,6 +117,7 @@ def _chat_ids(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int] | None:
         add_generation_prompt=body.get("add_generation_prompt", True) is not False
         and not continued,
         tools=tools or None,
+        documents=documents,
         continue_final_message=continued,
         **kwargs,
     )

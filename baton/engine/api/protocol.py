@@ -532,6 +532,9 @@ class ChatCompletionRequest(_GenerationRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: documents a retrieval-augmented template renders (each a dict, often with
+    # "title" and "text")
+    documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

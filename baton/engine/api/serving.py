@@ -367,12 +367,14 @@ class EngineServer:
         tool_dicts: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,  # the request's chat_template_kwargs
         continue_final_message: bool = False,
+        documents: list[dict[str, str]] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered prompt's text and token ids."""
         self._check_chat_template(template)
         conversation = [m.to_template() for m in messages]
         size = sum(len(str(m.get("content", ""))) for m in conversation)
         size += len(str(tool_dicts or "")) + len(str(template_kwargs or ""))
+        size += len(str(documents or ""))
 
         def render() -> tuple[str, list[int]]:
             text = self.tokenizer.apply_chat_template(
@@ -381,6 +383,7 @@ class EngineServer:
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
                 tools=tool_dicts,
+                documents=documents,
                 continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
@@ -538,6 +541,7 @@ class EngineServer:
             req.template_tools(),
             req.chat_template_kwargs,
             req.continue_final_message,
+            req.documents,
         )
         mode = tools.output_mode(req, self.tool_config, prompt)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

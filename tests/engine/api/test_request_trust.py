@@ -58,6 +58,23 @@ def test_a_request_chat_template_needs_the_flag(server: Server, trusting: Server
     assert r.json()["usage"]["prompt_tokens"] == rendered
 
 
+def test_documents_reach_the_template(trusting: Server) -> None:
+    """vLLM's `documents` (a retrieval-augmented request's) are rendered by the template
+    beside the messages: the prompt is the one the template makes of both."""
+    template = "{% for d in documents or [] %}<{{ d.title }}:{{ d.text }}>{% endfor %}" + TEMPLATE
+    documents = [{"title": "relay", "text": "four legs"}, {"title": "baton", "text": "hollow"}]
+    rendered = httpx.post(
+        f"{trusting.url}/tokenize",
+        json={"prompt": "<relay:four legs><baton:hollow>[user]pass the baton",
+              "add_special_tokens": False},
+    ).json()["count"]  # fmt: skip
+    r = _chat(trusting.url, chat_template=template, documents=documents)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == rendered
+    without = _chat(trusting.url, chat_template=template).json()["usage"]["prompt_tokens"]
+    assert without < rendered
+
+
 def test_client_request_ids_name_responses_only(server: Server) -> None:
     """Concurrent requests under one client request_id (in the body, or the X-Request-Id header
     that wins over it, as in vLLM) all succeed, each answered under the client's id."""
