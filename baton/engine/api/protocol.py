@@ -535,6 +535,7 @@ class ChatCompletionRequest(_GenerationRequest):
     # vLLM's: documents a retrieval-augmented template renders (each a dict, often with
     # "title" and "text")
     documents: list[dict[str, str]] | None = None
+    echo: bool = False  # vLLM's: see `echoed_text`
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -577,6 +578,17 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.tools:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def echoed_text(self) -> str:
+        """With vLLM's chat `echo`, the text the answer starts with: the last message's, when
+        that message is the answer's own role (with no generation prompt, the answer goes on
+        as its author: a continued message); else none."""
+        if not self.echo:
+            return ""
+        last = self.messages[-1]
+        if generation_prompt(self) and last.role != "assistant":
+            return ""
+        return str(last.to_template()["content"])  # parts joined as the template sees them
 
     def requested_max_tokens(self) -> int | None:
         return (

@@ -564,6 +564,8 @@ def chat_response(
             message = AssistantMessage(content=sample.text)
         else:
             message, finish = chat_message(mode, sample.text, finish)
+        if echoed := request.echoed_text():
+            message.content = echoed + (message.content or "")
         choices.append(
             ChatChoice(
                 index=sample.index,

@@ -668,6 +668,13 @@ class EngineServer:
             choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
             head.append(chunk([choice], **self._chunk_usage(req, len(ids), 0), **first))
+        if resumed is None and (echoed := req.echoed_text()):  # then vLLM's echo, each choice
+            for index in range(req.n):
+                delta = r.DeltaMessage(content=echoed)
+                choice = r.ChatStreamChoice(
+                    index=index, delta=delta, logprobs=None, finish_reason=None
+                )
+                head.append(chunk([choice], **self._chunk_usage(req, len(ids), 0)))
         return self._stream(streams, release, head, chunks, chunk, req.include_usage())
 
     def _think_end_ids(self, mode: tools.OutputMode) -> list[int] | None:

@@ -149,7 +149,8 @@ def test_streamed_events_are_the_chunk_models_own_rendering(
 def test_chat_continues_the_final_message(server: Server, offline: LLM) -> None:
     """`continue_final_message` (vLLM's) renders the last message open: the prompt is
     `LLM.chat`'s with it (and /tokenize's), with no end of turn after the assistant's text,
-    and the answer goes on from there; asking for the generation prompt too is a 400."""
+    and the answer goes on from there (with `echo`, starting with that text, as vLLM's);
+    asking for the generation prompt too is a 400."""
     messages: Any = [
         {"role": "user", "content": "Pass the baton"},
         {"role": "assistant", "content": "The baton goes"},
@@ -173,6 +174,24 @@ def test_chat_continues_the_final_message(server: Server, offline: LLM) -> None:
         assert resp.status_code == 200, resp.text
         assert resp.json()["prompt_token_ids"] == expected.prompt_token_ids
         _assert_same_greedy(resp.json()["choices"][0]["token_ids"], expected)
+    # vLLM's chat echo: the answer starts with the message it continues, whole or streamed
+    answer = resp.json()["choices"][0]["message"]["content"]
+    echoed = httpx.post(
+        f"{server.url}/v1/chat/completions", json={**body, "echo": True}, timeout=30
+    ).json()["choices"][0]["message"]["content"]
+    assert echoed == "The baton goes" + answer
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={**body, "echo": True, "stream": True},
+        timeout=30,
+    ) as streamed:
+        events = [json.loads(x[6:]) for x in streamed.iter_lines() if x.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]]
+    assert deltas[1] == "The baton goes" and "".join(deltas) == echoed
+    opened = {**body, "messages": messages[:1], "continue_final_message": False, "echo": True}
+    fresh = httpx.post(f"{server.url}/v1/chat/completions", json=opened, timeout=30).json()
+    assert not fresh["choices"][0]["message"]["content"].startswith("Pass the baton")
     tokenized = httpx.post(
         f"{server.url}/tokenize",
         json={"model": NAME, "messages": messages, "continue_final_message": True},
