@@ -536,6 +536,7 @@ class ChatCompletionRequest(_GenerationRequest):
     # "title" and "text")
     documents: list[dict[str, str]] | None = None
     echo: bool = False  # vLLM's: see `echoed_text`
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's reasoning out
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -566,6 +566,8 @@ def chat_response(
             message, finish = chat_message(mode, sample.text, finish)
         if echoed := request.echoed_text():
             message.content = echoed + (message.content or "")
+        if not request.include_reasoning:
+            message.reasoning_content = message.reasoning = None
         choices.append(
             ChatChoice(
                 index=sample.index,

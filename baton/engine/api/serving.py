@@ -637,6 +637,8 @@ class EngineServer:
                     parser = parsers[sample.index]
                     texts[sample.index] += delta.text
                     parsed = parser.advance(texts[sample.index], final=finish is not None)
+                    if not req.include_reasoning:
+                        parsed.reasoning = ""  # parsed, so that the content is told apart
                     message, shown = r.delta_message(parsed), bool(parsed)
                     finish = tools.finish_reason(mode, parser.called, finish)
                 if not (shown or finish or req.logprobs or req.return_token_ids):

@@ -142,7 +142,7 @@ def test_streamed_events_are_the_chunk_models_own_rendering(
     assert "".join(texts) == (
         whole["text"] if route == "completions" else whole["message"]["content"]
     )
-    assert len(texts) > 10  # the answer came a few tokens at a time
+    assert len(texts) > 1  # in pieces (a busy server merges what a slow reader has not read)
     assert ids == (whole["token_ids"] if with_ids else [])
 
 

@@ -192,6 +192,34 @@ def test_auto_streamed_equals_whole(tools_server: Server) -> None:
     assert streamed == whole and whole["reasoning"] == ""
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(tools_server: Server) -> None:
+    """vLLM's `include_reasoning: false`: the same answer without its reasoning, whole and
+    streamed (no chunk that would carry only reasoning goes out)."""
+    # An answer that goes on inside an open <think> (continue_final_message): reasoning until
+    # the noise closes it.
+    thinking = [*MESSAGES, {"role": "assistant", "content": "<think>\n"}]
+    extra = {"continue_final_message": True}
+    whole, _ = _both(tools_server, messages=thinking, extra_body=extra)
+    assert whole["reasoning"]
+    hidden, streamed = _both(
+        tools_server, messages=thinking, extra_body={**extra, "include_reasoning": False}
+    )
+    assert hidden == {**whole, "reasoning": ""} and streamed == hidden
+    client: Any = tools_server.client()
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=thinking,
+            max_tokens=40,
+            stream=True,
+            extra_body={**extra, "include_reasoning": False},
+        )
+    )
+    assert all(
+        getattr(c.delta, "reasoning_content", None) is None for ch in chunks for c in ch.choices
+    )
+
+
 @needs_grammar
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
