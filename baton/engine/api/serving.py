@@ -63,16 +63,16 @@ def _text_event(
     index: int,
     text: str,
     token_ids: list[int],
-    renderer: Callable[[int], tuple[Render, bool]],
+    render: Callable[[int], Render],
+    with_ids: bool,
 ) -> str:
-    """The event of choice `index` that carries `text` (and `token_ids` where the renderer
-    says so) and nothing else that changes from one such event to the next: the renderer's
-    event, made through the choice's `TextEvents` (kept in `cache`, made on the choice's first
-    such event)."""
+    """The event of choice `index` that carries `text` (and `token_ids`, `with_ids`) and
+    nothing else that changes from one such event to the next: `render(index)`'s, made through
+    the choice's `TextEvents` (kept in `cache`, made on the choice's first such event)."""
     if index not in cache:
-        cache[index] = r.TextEvents.make(*renderer(index))
+        cache[index] = r.TextEvents.make(render(index), with_ids)
     events = cache[index]
-    return renderer(index)[0](text, token_ids) if events is None else events(text, token_ids)
+    return render(index)(text, token_ids) if events is None else events(text, token_ids)
 
 
 def _finish_reason(delta: r.Delta) -> str | None:
@@ -465,7 +465,7 @@ class EngineServer:
                 )
             )
 
-        def text_chunk(index: int) -> tuple[Render, bool]:
+        def text_chunk(index: int) -> Render:
             """What an event that carries only text (and token ids) is (see `spliced`)."""
             usage = self._chunk_usage(req, 0, 0)  # none, or null: the same on each
 
@@ -477,7 +477,7 @@ class EngineServer:
                     choice["token_ids"] = token_ids
                 return chunk([r.CompletionChoice(**choice)], **usage)
 
-            return render, with_ids
+            return render
 
         def chunks(i: int, out: RequestOutput) -> Iterator[str]:
             for sample in out.outputs:
@@ -501,7 +501,9 @@ class EngineServer:
                     and (started if with_ids else text)  # the first has the prompt's ids
                 ):
                     index = i * req.n + sample.index
-                    yield _text_event(text_events, index, text, delta.token_ids, text_chunk)
+                    yield _text_event(
+                        text_events, index, text, delta.token_ids, text_chunk, with_ids
+                    )
                     continue
                 shown = text or delta.finish_reason or req.logprobs is not None
                 if not (shown or req.return_token_ids):
@@ -594,7 +596,7 @@ class EngineServer:
                 )
             )
 
-        def text_chunk(index: int) -> tuple[Render, bool]:
+        def text_chunk(index: int) -> Render:
             """What an event that carries only text (and token ids) is (see `spliced`)."""
             usage = self._chunk_usage(req, len(ids), 0)  # none, or null: the same on each
 
@@ -610,7 +612,7 @@ class EngineServer:
                     choice["token_ids"] = token_ids
                 return chunk([r.ChatStreamChoice(**choice)], **usage)
 
-            return render, with_ids
+            return render
 
         resumed = req.resume_token_ids
         if resumed is not None:  # n=1: go on from what the first stream sent
@@ -628,7 +630,9 @@ class EngineServer:
                 finish = _finish_reason(delta)
                 if spliced and delta.text and finish is None and delta.stop_reason is None:
                     text, token_ids = delta.text, delta.token_ids
-                    yield _text_event(text_events, sample.index, text, token_ids, text_chunk)
+                    yield _text_event(
+                        text_events, sample.index, text, token_ids, text_chunk, with_ids
+                    )
                     continue
                 if plain:
                     message = r.DeltaMessage(content=delta.text) if delta.text else r.DeltaMessage()
