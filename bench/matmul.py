@@ -1,44 +1,71 @@
-"""What a CPU engine's matmuls can do here: torch's `linear` (the GEMM Baton and vLLM's CPU
-build both call) on SmolLM2-135M's shapes, float32 against bfloat16, side by side in one run.
-The offline throughput of a 135M model is mostly these (74% of op time in a profile), so this
-is the ceiling engine-side work cannot raise.
+"""What a CPU engine's matmuls can do here: torch's `linear` (MKL's `sgemm` in float32, oneDNN
+unpacked in bfloat16: what `nn.Linear` calls) against oneDNN with the weight packed once
+(`baton.engine.layers.cpu_linear`, what Baton's CPU engine and vLLM's CPU build call), on
+SmolLM2-135M's shapes, float32 and bfloat16, side by side in one run. The offline throughput of
+a 135M model is mostly these (74% of op time in a profile).
 
-    python bench/matmul.py [--threads 2] [--batch 32 256]
+    python bench/matmul.py [--threads 2] [--batch 1 32 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, for `baton`
+
+from baton.engine.layers.cpu_linear import PackedLinear, packs  # noqa: E402
 
 # (in, out) of SmolLM2-135M's projections: fused q/k/v, o, fused gate/up, down, lm_head
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 
 
-def gflops(m: int, k: int, n: int, dtype: torch.dtype, reps: int = 20) -> float:
-    a, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+def seconds(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
     for _ in range(3):
-        torch.nn.functional.linear(a, w)
+        fn()
     start = time.perf_counter()
     for _ in range(reps):
-        torch.nn.functional.linear(a, w)
-    return 2 * m * k * n * reps / (time.perf_counter() - start) / 1e9
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def gflops(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[float, float | None]:
+    """GFLOP/s of `nn.Linear` and of the packed layer (None where oneDNN cannot pack `dtype`)."""
+    linear = torch.nn.Linear(k, n, bias=False).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    flop = 2 * m * k * n / 1e9
+    with torch.inference_mode():
+        dense = flop / seconds(lambda: linear(x))
+        if not packs(dtype):
+            return dense, None
+        packed = PackedLinear(linear)
+        return dense, flop / seconds(lambda: packed(x))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"GFLOP/s of linear, {args.threads} threads")
-    print(f"{'tokens':>6} {'in':>5} {'out':>6} {'float32':>8} {'bfloat16':>9} {'bf16/f32':>9}")
+    print(f"GFLOP/s of a linear layer, {args.threads} threads; packed = oneDNN, weight packed once")
+    print(f"{'tokens':>6} {'in':>5} {'out':>6} {'f32':>7} {'f32 packed':>11} {'x':>6} "
+          f"{'bf16':>7} {'bf16 packed':>12} {'x':>6}")  # fmt: skip
     for m in args.batch:
         for k, n in SHAPES:
-            f32, bf16 = gflops(m, k, n, torch.float32), gflops(m, k, n, torch.bfloat16)
-            print(f"{m:6d} {k:5d} {n:6d} {f32:8.1f} {bf16:9.1f} {bf16 / f32:8.2f}x")
+            row = f"{m:6d} {k:5d} {n:6d}"
+            for dtype, width in ((torch.float32, 11), (torch.bfloat16, 12)):
+                dense, packed = gflops(m, k, n, dtype)
+                if packed is None:
+                    row += f" {dense:7.1f} {'-':>{width}} {'-':>6}"
+                else:
+                    row += f" {dense:7.1f} {packed:{width}.1f} {packed / dense:5.2f}x"
+            print(row)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ max_tokens uniform in 32..256, ignore_eos, greedy. Prints output tokens/s for ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -21,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,16 +97,81 @@ def run_baton(model: str, work: list[tuple[list[int], int]], args: argparse.Name
     start = time.perf_counter()
     if profiler is not None:
         profiler.enable()
-    outputs = llm.generate(prompts, params)
+    if args.torch_profile:
+        with torch.profiler.profile() as ops, labelled_regions():
+            outputs = llm.generate(prompts, params)
+    else:
+        outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     if profiler is not None:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+    if args.torch_profile:
+        print_breakdown(ops, elapsed)
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(m for _, m in work)
     if produced != expected:
         raise RuntimeError(f"Baton produced {produced} tokens, the workload asks {expected}")
     return produced / elapsed
+
+
+# Leaf ops that are a GEMM: the packed oneDNN linear, and torch's own.
+_GEMMS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+
+
+@contextlib.contextmanager
+def labelled_regions() -> Iterator[None]:
+    """Names the C decode-attention kernel (a ctypes call, no torch op) and the sampler in a torch
+    profile, for `print_breakdown`."""
+    from baton.engine.ops import cpu_paged_attention
+    from baton.engine.worker.sampler import Sampler
+
+    kernel, sample = cpu_paged_attention.paged_decode_attention, Sampler.__call__
+
+    def labelled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*a, **kw)
+
+        return call
+
+    cpu_paged_attention.paged_decode_attention = labelled("baton::decode_attention", kernel)
+    Sampler.__call__ = labelled("baton::sampler", sample)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cpu_paged_attention.paged_decode_attention = kernel
+        Sampler.__call__ = sample  # type: ignore[method-assign]
+
+
+def print_breakdown(prof: torch.profiler.profile, elapsed: float) -> None:
+    """Shares of the run's wall time: GEMMs, attention, sampling, other ops, and the rest
+    (Python: the engine, the scheduler, the model's module calls, and the profiler's own)."""
+    events = prof.key_averages()
+    self_us = {e.key: e.self_cpu_time_total for e in events}
+    total_us = {e.key: e.cpu_time_total for e in events}
+    wall = elapsed * 1e6
+    gemm = sum(self_us.get(k, 0.0) for k in _GEMMS)
+    # The C kernel is the region's own time; SDPA's and the sampler's ops are their children.
+    attention = self_us.get("baton::decode_attention", 0.0) + total_us.get(
+        "aten::scaled_dot_product_attention", 0.0
+    )
+    sampling = total_us.get("baton::sampler", 0.0)
+    ops = sum(self_us.values())
+    other = max(ops - gemm - attention - sampling, 0.0)
+    rows = [
+        ("GEMM (linear layers)", gemm),
+        ("attention (SDPA prefill, C decode)", attention),
+        ("sampling", sampling),
+        ("other torch ops", other),
+        ("Python and the rest", max(wall - ops, 0.0)),
+    ]
+    print("where the run's time went (torch profiler, share of wall time):")
+    for name, us in rows:
+        print(f"  {name:36} {us / wall:6.1%}  {us / 1e6:7.2f} s")
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    for e in top:
+        print(f"    {e.key:44} {e.self_cpu_time_total / wall:6.1%} self")
 
 
 def run_transformers(
@@ -168,6 +236,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="do not run transformers")
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--profile", action="store_true", help="cProfile Baton's run")
+    parser.add_argument(
+        "--torch-profile", action="store_true", help="Baton's run: shares of GEMM, attention..."
+    )
     parser.add_argument(
         "--vllm-python", default=None, help="an interpreter that imports vllm: run it too"
     )

@@ -15,6 +15,7 @@ from baton.engine.layers.attention import (
     AttentionSpec,
     make_attention_backend,
 )
+from baton.engine.layers.cpu_linear import pack_linears
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.loader import load_model
 from baton.engine.models.tensor_parallel import TensorParallel
@@ -185,6 +186,8 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.block_size
         self.model = load_model(model_config, config.dtype, config.device, config.max_model_len, tp)
+        if self.device.type == "cpu":  # oneDNN with weights packed once, as vLLM's CPU build
+            pack_linears(self.model)
         self.num_kv_heads = self.model.layout.num_kv_heads  # this rank's shard of the cache
         self.attn = make_attention_backend(
             config.attention_backend, config.block_size, attention_specs(model_config)

@@ -1,0 +1,43 @@
+"""bench/throughput.py's profile breakdown and bench/matmul.py's packed-against-dense table, run as
+a user runs them (subprocesses, a tiny model)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.engine.layers.cpu_linear import packs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_torch_profile_accounts_for_the_whole_run(tiny_model) -> None:
+    argv = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--model", str(tiny_model()),
+            "--num-requests", "6", "--skip-hf", "--torch-profile"]  # fmt: skip
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout
+    shares = dict(re.findall(r"^  (\S.*?)\s+([\d.]+)%", out, re.MULTILINE))
+    assert set(shares) == {
+        "GEMM (linear layers)",
+        "attention (SDPA prefill, C decode)",
+        "sampling",
+        "other torch ops",
+        "Python and the rest",
+    }
+    assert float(shares["GEMM (linear layers)"]) > 0 and float(shares["sampling"]) > 0
+    assert 95 <= sum(map(float, shares.values())) <= 101  # the parts make the wall time
+    assert re.search(r"^baton\s+[\d.]+ output tok/s", out, re.MULTILINE)
+
+
+@pytest.mark.skipif(not packs(torch.float32), reason="no oneDNN packed linear here")
+def test_matmul_prints_packed_against_dense_for_every_shape() -> None:
+    argv = [sys.executable, str(ROOT / "bench" / "matmul.py"), "--batch", "1", "--threads", "1"]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\s+1\s+\d+\s+\d+", line)]
+    assert len(rows) == 5  # SmolLM2's five projection shapes
+    for row in rows:
+        assert float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x")

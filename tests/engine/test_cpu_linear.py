@@ -1,0 +1,103 @@
+"""oneDNN linears with packed weights (`baton.engine.layers.cpu_linear`): the same answers as
+`nn.Linear`, every projection of a CPU engine's model packed, tied embeddings kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from baton import LLM, SamplingParams
+from baton.engine.layers import cpu_linear
+from baton.engine.layers.cpu_linear import PackedLinear, pack_linears, packs
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.loader import load_model
+from tests.engine.oracle import assert_greedy_matches
+
+pytestmark = pytest.mark.skipif(
+    not packs(torch.float32), reason="this torch has no oneDNN packed linear on this CPU"
+)
+
+
+def _linear(k: int, n: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(k, n, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_bfloat16_is_bit_identical_to_linear(rows: int, bias: bool) -> None:
+    if not packs(torch.bfloat16):
+        pytest.skip("oneDNN runs no bfloat16 linear on this CPU")
+    linear = _linear(96, 200, bias, torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(linear)(x), linear(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_float32_equals_linear_up_to_rounding(rows: int, bias: bool) -> None:
+    linear = _linear(576, 960, bias, torch.float32)
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        got, want = PackedLinear(linear)(x), linear(x)
+    assert got.shape == want.shape == (rows, 960)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_any_leading_shape_and_strided_input() -> None:
+    linear = _linear(32, 48, True, torch.float32)
+    packed = PackedLinear(linear)
+    x3 = torch.randn(2, 5, 32)
+    strided = torch.randn(32, 9).t()  # [9, 32], not contiguous
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x3), linear(x3))
+        torch.testing.assert_close(packed(strided), linear(strided))
+
+
+def test_the_engine_model_is_packed_and_keeps_its_tied_embedding(tiny_model) -> None:
+    path = tiny_model("llama")
+    config = ModelConfig.from_pretrained(path)
+    model = load_model(config, torch.float32, torch.device("cpu"), 64)
+    reference = load_model(config, torch.float32, torch.device("cpu"), 64)
+    embedding = model.embed_tokens.weight
+    dense_bytes = sum(p.numel() for p in model.parameters())
+    replaced = pack_linears(model)
+    # q/k/v, o, gate/up and down per layer, and the lm_head
+    assert replaced == 4 * config.num_layers + 1
+    assert not [m for m in model.modules() if type(m) is nn.Linear]
+    assert model.embed_tokens.weight is embedding  # the embedding still looks rows up
+    left = sum(p.numel() for p in model.parameters())
+    assert left < dense_bytes / 2  # the projections' dense weights are released
+    ids = torch.tensor([1, 5, 9, 200, 3])
+    x = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            model.compute_logits(x), reference.compute_logits(x), rtol=1e-4, atol=1e-4
+        )
+        for mine, theirs in zip(model.layers, reference.layers, strict=True):
+            torch.testing.assert_close(mine.mlp(x), theirs.mlp(x), rtol=1e-4, atol=1e-4)
+    assert model.embed_tokens(ids).shape == (5, config.hidden_size)
+
+
+def test_a_dtype_oneDNN_cannot_run_stays_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: dtype != torch.float16)
+    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8))
+    assert pack_linears(model) == 1
+    assert type(model[0]) is nn.Linear and type(model[1]) is PackedLinear
+
+
+def test_a_cpu_engine_runs_packed_and_equals_transformers(tiny_model) -> None:
+    path = tiny_model("qwen2")  # q/k/v with bias
+    llm = LLM(str(path), max_model_len=256)
+    try:
+        runner_model = llm.engine.runner.model
+        assert not [m for m in runner_model.modules() if type(m) is nn.Linear]
+        prompts = [[3, 17, 99, 4, 250], list(range(40, 90))]
+        greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert_greedy_matches(path, prompt, out.outputs[0].token_ids)
+    finally:
+        llm.shutdown()
