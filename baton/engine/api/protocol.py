@@ -580,6 +580,11 @@ class ChatCompletionRequest(_GenerationRequest):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def response_role(self) -> str:
+        """The answer's role, as vLLM gives it: the assistant's after a generation prompt; else
+        the last message's (the answer goes on as that message's author)."""
+        return "assistant" if generation_prompt(self) else self.messages[-1].role
+
     def echoed_text(self) -> str:
         """With vLLM's chat `echo`, the text the answer starts with: the last message's, when
         that message is the answer's own role (with no generation prompt, the answer goes on
@@ -587,7 +592,7 @@ class ChatCompletionRequest(_GenerationRequest):
         if not self.echo:
             return ""
         last = self.messages[-1]
-        if generation_prompt(self) and last.role != "assistant":
+        if last.role != self.response_role():
             return ""
         return str(last.to_template()["content"])  # parts joined as the template sees them
 

@@ -105,7 +105,7 @@ class ToolCall(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's, without a generation prompt (`response_role`)
     content: str | None = None
     # vLLM's field; `reasoning` mirrors it (vLLM's newer name), both None without a parser.
     reasoning_content: str | None = None
@@ -155,7 +155,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -564,6 +564,7 @@ def chat_response(
             message = AssistantMessage(content=sample.text)
         else:
             message, finish = chat_message(mode, sample.text, finish)
+        message.role = request.response_role()
         if echoed := request.echoed_text():
             message.content = echoed + (message.content or "")
         if not request.include_reasoning:

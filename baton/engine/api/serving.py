@@ -666,11 +666,11 @@ class EngineServer:
                 usage = self._chunk_usage(req, len(ids), cursors[sample.index].tokens_sent)
                 yield chunk([r.ChatStreamChoice(**choice)], **usage)
 
-        # OpenAI opens each choice with the assistant role and empty content (once: a resumed
-        # answer's client has it).
+        # OpenAI opens each choice with the role and empty content (once: a resumed answer's
+        # client has it).
         head = []
         for index in range(req.n if resumed is None else 0):
-            role = r.DeltaMessage(role="assistant", content="")
+            role = r.DeltaMessage(role=req.response_role(), content="")
             choice = r.ChatStreamChoice(index=index, delta=role, logprobs=None, finish_reason=None)
             first = {"prompt_token_ids": ids} if req.return_token_ids and index == 0 else {}
             head.append(chunk([choice], **self._chunk_usage(req, len(ids), 0), **first))

@@ -209,6 +209,38 @@ def test_chat_continues_the_final_message(server: Server, offline: LLM) -> None:
     )
 
 
+def test_the_answers_role_is_the_last_messages_without_a_generation_prompt(
+    server: Server,
+) -> None:
+    """vLLM's rule: after a generation prompt the answer is the assistant's; without one it goes
+    on as the last message's author, and says so, whole and streamed (and with `echo`, starts
+    with that message's text)."""
+    body: dict[str, Any] = {"model": NAME, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    cases = [
+        ([{"role": "user", "content": "Pass the"}], {}, "assistant", ""),
+        ([{"role": "user", "content": "Pass the"}], {"add_generation_prompt": False}, "user",
+         "Pass the"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The"}],
+         {"continue_final_message": True}, "assistant", "The"),
+    ]  # fmt: skip
+    for messages, flags, role, echoed in cases:
+        request = {**body, "messages": messages, "echo": True, **flags}
+        whole = httpx.post(f"{server.url}/v1/chat/completions", json=request, timeout=30)
+        message = whole.json()["choices"][0]["message"]
+        assert message["role"] == role, (flags, message)
+        assert message["content"].startswith(echoed)
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            json={**request, "stream": True},
+            timeout=30,
+        ) as streamed:
+            events = [json.loads(x[6:]) for x in streamed.iter_lines() if x.startswith("data: {")]
+        assert events[0]["choices"][0]["delta"] == {"role": role, "content": ""}
+        text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+        assert text == message["content"]
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(server: Server) -> None:
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens are the prompt (completions
     and chat alike), the answer is the answer to those alone; -1 keeps what the model takes;
