@@ -43,7 +43,7 @@ def gflops(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[float, float | N
         dense = flop / seconds(lambda: linear(x))
         if not packs(dtype):
             return dense, None
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear.weight, linear.bias)
         return dense, flop / seconds(lambda: packed(x))
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -19,6 +21,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _packed(linear: nn.Linear) -> PackedLinear:
+    return PackedLinear(linear.weight, linear.bias)
+
+
 def _linear(k: int, n: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
     torch.manual_seed(0)
     return nn.Linear(k, n, bias=bias).to(dtype)
@@ -32,7 +38,7 @@ def test_bfloat16_is_bit_identical_to_linear(rows: int, bias: bool) -> None:
     linear = _linear(96, 200, bias, torch.bfloat16)
     x = torch.randn(rows, 96).to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(PackedLinear(linear)(x), linear(x))
+        assert torch.equal(_packed(linear)(x), linear(x))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,14 +47,14 @@ def test_float32_equals_linear_up_to_rounding(rows: int, bias: bool) -> None:
     linear = _linear(576, 960, bias, torch.float32)
     x = torch.randn(rows, 576)
     with torch.inference_mode():
-        got, want = PackedLinear(linear)(x), linear(x)
+        got, want = _packed(linear)(x), linear(x)
     assert got.shape == want.shape == (rows, 960)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_any_leading_shape_and_strided_input() -> None:
     linear = _linear(32, 48, True, torch.float32)
-    packed = PackedLinear(linear)
+    packed = _packed(linear)
     x3 = torch.randn(2, 5, 32)
     strided = torch.randn(32, 9).t()  # [9, 32], not contiguous
     with torch.inference_mode():
@@ -86,6 +92,33 @@ def test_a_dtype_oneDNN_cannot_run_stays_dense(monkeypatch: pytest.MonkeyPatch) 
     model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8))
     assert pack_linears(model) == 1
     assert type(model[0]) is nn.Linear and type(model[1]) is PackedLinear
+
+
+def test_each_dense_weight_is_released_as_its_layer_is_packed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never every weight in both forms at once: a layer's dense weight is gone before the next
+    layer is packed."""
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+    refs = [weakref.ref(m.weight) for m in model]
+    alive = []
+
+    class Counting(PackedLinear):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+            super().__init__(weight, bias)
+            alive.append(sum(r() is not None for r in refs))
+
+    monkeypatch.setattr(cpu_linear, "PackedLinear", Counting)
+    assert pack_linears(model) == 4
+    assert alive == [4, 3, 2, 1]
+    assert all(r() is None for r in refs)
+
+
+def test_probing_leaves_torchs_global_seed_alone() -> None:
+    packs.cache_clear()
+    state = torch.get_rng_state()
+    assert packs(torch.float32)
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_a_cpu_engine_runs_packed_and_equals_transformers(tiny_model) -> None:

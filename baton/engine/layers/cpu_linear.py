@@ -18,19 +18,19 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward over a weight packed for oneDNN; no trainable parameters."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        self.out_features, self.in_features = weight.shape  # [out, in], as nn.Linear's
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self.bias = None if bias is None else bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -44,28 +44,32 @@ def packs(dtype: torch.dtype) -> bool:
     """Whether oneDNN runs a packed linear of `dtype` here and agrees with `F.linear`."""
     if not torch.backends.mkldnn.is_available():
         return False
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 16, generator=generator).to(dtype)
-    linear = nn.Linear(16, 8).to(dtype)
+    generator = torch.Generator().manual_seed(0)  # not torch's global one: a start changes no seed
+    x, weight, bias = (
+        torch.randn(shape, generator=generator).to(dtype) for shape in ((3, 16), (8, 16), (8,))
+    )
     try:
-        got = PackedLinear(linear)(x)
+        got = PackedLinear(weight, bias)(x)
     except RuntimeError:  # e.g. float16 without the CPU support oneDNN asks for
         return False
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    return torch.allclose(got.float(), linear(x).float(), atol=tolerance, rtol=tolerance)
+    want = F.linear(x, weight, bias)
+    return torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
 
 
 def pack_linears(model: nn.Module) -> int:
     """Replaces every CPU `nn.Linear` of `model` whose dtype oneDNN packs with a `PackedLinear`;
-    returns how many were replaced."""
+    returns how many were replaced. Each dense weight is released as its layer is packed, so
+    memory never holds both forms of every weight at once."""
     targets = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear
         and child.weight.device.type == "cpu"
         and packs(child.weight.dtype)
     ]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+    for parent, name in targets:  # (parent, name): `targets` holds no weight alive
+        linear = getattr(parent, name)
+        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
     return len(targets)
