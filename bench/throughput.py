@@ -16,8 +16,10 @@ import argparse
 import contextlib
 import cProfile
 import json
+import os
 import pstats
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -215,7 +217,16 @@ def run_vllm(model: str, work: list[tuple[list[int], int]], args: argparse.Names
         f.flush()
         cmd = [args.vllm_python, str(BENCH / "vllm_offline.py"), f.name, model,
                "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]  # fmt: skip
-        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+        # Its own process group: vLLM's engine and worker processes outlive a killed parent,
+        # each holding a core and the model; they go with the group whatever ends this call.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
     # vLLM logs to stdout as well: the result is the line that starts with its key.
     line = next(x for x in reversed(out.splitlines()) if x.startswith('{"vllm_tok_s"'))
     return float(json.loads(line)["vllm_tok_s"])
@@ -244,6 +255,8 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    # A SIGTERM unwinds like Ctrl-C, so that a vLLM run's processes are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model == "smollm2":
