@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton import LLM, SamplingParams
@@ -112,6 +113,28 @@ def test_each_dense_weight_is_released_as_its_layer_is_packed(
     assert pack_linears(model) == 4
     assert alive == [4, 3, 2, 1]
     assert all(r() is None for r in refs)
+
+
+def test_a_layer_oneDNN_refuses_stays_dense_and_the_rest_are_packed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Refusing(PackedLinear):
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+            if weight.shape[0] == 24:
+                raise RuntimeError("no primitive for this shape")
+            super().__init__(weight, bias)
+
+    monkeypatch.setattr(cpu_linear, "PackedLinear", Refusing)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 24), nn.Linear(24, 8))
+    reference = [(m.weight.clone(), m.bias.clone()) for m in model]
+    assert pack_linears(model) == 2
+    assert [type(m) for m in model] == [Refusing, nn.Linear, Refusing]
+    x = torch.randn(5, 8)
+    want = x
+    for weight, bias in reference:
+        want = F.linear(want, weight, bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_probing_leaves_torchs_global_seed_alone() -> None:

@@ -16,10 +16,13 @@ AVX512-FP16, or a torch without oneDNN), the layer stays `nn.Linear`.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class PackedLinear(nn.Module):
@@ -60,7 +63,8 @@ def packs(dtype: torch.dtype) -> bool:
 def pack_linears(model: nn.Module) -> int:
     """Replaces every CPU `nn.Linear` of `model` whose dtype oneDNN packs with a `PackedLinear`;
     returns how many were replaced. Each dense weight is released as its layer is packed, so
-    memory never holds both forms of every weight at once."""
+    memory never holds both forms of every weight at once. A layer oneDNN refuses to pack stays
+    `nn.Linear` (logged), as vLLM's CPU build falls back: the engine starts either way."""
     targets = [
         (parent, name)
         for parent in model.modules()
@@ -69,7 +73,12 @@ def pack_linears(model: nn.Module) -> int:
         and child.weight.device.type == "cpu"
         and packs(child.weight.dtype)
     ]
+    packed = len(targets)
     for parent, name in targets:  # (parent, name): `targets` holds no weight alive
         linear = getattr(parent, name)
-        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
-    return len(targets)
+        try:
+            setattr(parent, name, PackedLinear(linear.weight, linear.bias))
+        except RuntimeError as e:
+            logger.warning("oneDNN cannot pack %s (%s); it stays torch's linear", linear, e)
+            packed -= 1
+    return packed
