@@ -1,5 +1,5 @@
-"""bench/throughput.py's profile breakdown and bench/matmul.py's packed-against-dense table, run as
-a user runs them (subprocesses, a tiny model)."""
+"""bench/throughput.py's profile breakdown, bench/matmul.py's packed-against-dense table and
+bench/cpu_attention.py's kernel against a revision, run as a user runs them (subprocesses)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from baton.engine.layers.cpu_linear import packs
+from baton.engine.ops import cpu_paged_attention as cpa
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,19 @@ def test_matmul_prints_packed_against_dense_for_every_shape() -> None:
     assert len(rows) == 5  # SmolLM2's five projection shapes
     for row in rows:
         assert float(row[3]) > 0 and float(row[4]) > 0 and row[5].endswith("x")
+
+
+@pytest.mark.skipif(
+    not cpa.available(torch.float32, 8, 4, 32, 16), reason="no C compiler for the CPU kernel"
+)
+def test_cpu_attention_prints_every_shape_against_a_revision() -> None:
+    """bench/cpu_attention.py times this tree's kernel and a git revision's side by side."""
+    argv = [sys.executable, str(ROOT / "bench" / "cpu_attention.py"), "--against", "HEAD",
+            "--batch", "4", "--context", "20", "40", "--repeats", "1"]  # fmt: skip
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout
+    rows = re.findall(
+        r"^(small|smollm2)\s+(float32|bfloat16)\s.* HEAD: [\d.]+ ms, x[\d.]+$", out, re.M
+    )
+    assert sorted(rows) == sorted(
+        (m, d) for m in ("small", "smollm2") for d in ("float32", "bfloat16")
+    )

@@ -88,6 +88,45 @@ def test_a_bfloat16_cache_matches_the_reference(
         torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [
+        (8, 4, 32, 16),  # one item per request: all four KV heads
+        (9, 3, 64, 16),  # SmolLM2's shape
+        (48, 6, 16, 16),  # group 8: two KV heads an item, three items a request
+        (20, 5, 24, 8),  # group 4, generic head size: items of 4 and 1 KV heads
+    ],
+)
+def test_items_of_several_heads_match_the_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """With enough requests for every thread (12 on two), an item carries a run of KV heads and
+    reads their rows together, the last run of a request possibly shorter: same result as the
+    reference, with and without a window and soft-capping, and with a scale so large that most
+    of each softmax underflows to zero."""
+    g = torch.Generator().manual_seed(5)
+    num_blocks = 96
+    cache = torch.randn(num_blocks, 2, 2, block_size, num_kv_heads, head_dim, generator=g)
+    cache = cache.to(dtype)
+    seq_lens = torch.tensor(
+        [1, 2, block_size, block_size + 1, 33, 40, 57, 64, 71, 80, 99, 3], dtype=torch.int32
+    )
+    max_blocks = int(-(-int(seq_lens.max()) // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in seq_lens])
+    tables = tables.to(torch.int32)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    starts = (seq_lens - 20).clamp(min=0).to(torch.int32)
+    for scale, kwargs in (
+        (head_dim**-0.5, {}),
+        (head_dim**-0.5, {"starts": starts, "softcap": 5.0}),
+        (8.0, {}),
+    ):
+        got = cpa.paged_decode_attention(q, cache, 1, tables, seq_lens, scale, **kwargs)
+        ref = cpa.paged_decode_attention_reference(q, cache, 1, tables, seq_lens, scale, **kwargs)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
 def test_rejects_bad_arguments() -> None:
     """The launcher checks dtypes and shapes instead of reading out of bounds."""
     cache = torch.zeros(4, 1, 2, 16, 2, 32)
