@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import statistics
 import subprocess
 import tempfile
@@ -34,12 +35,8 @@ SHAPES = [("small", 8, 4, 32, 4), ("smollm2", 9, 3, 64, 30)]
 BLOCK = 16
 
 
-@contextlib.contextmanager
-def kernel_of(revision: str | None) -> Iterator[None]:
-    """Makes `cpa.paged_decode_attention` call the kernel of `revision` (this tree's if None)."""
-    if revision is None:
-        yield
-        return
+def kernel_of(revision: str) -> ctypes.CDLL:
+    """The kernel library built from `revision`'s source (compiled into the kernel cache)."""
     source = subprocess.run(
         ["git", "show", f"{revision}:baton/engine/ops/cpu_paged_attention.c"],
         cwd=ROOT, capture_output=True, check=True,
@@ -55,12 +52,20 @@ def kernel_of(revision: str | None) -> Iterator[None]:
         finally:
             cpa._SOURCE = before
             cpa._library.cache_clear()
-        real = cpa._library
-        cpa._library = lambda: lib  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            cpa._library = real
+    if lib is None:
+        raise SystemExit(f"the kernel of {revision} did not compile")
+    return lib
+
+
+@contextlib.contextmanager
+def calling(lib: ctypes.CDLL) -> Iterator[None]:
+    """Makes `cpa.paged_decode_attention` call `lib` rather than this tree's kernel."""
+    real = cpa._library
+    cpa._library = lambda: lib  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        cpa._library = real
 
 
 def make_batch(
@@ -108,6 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpa.available(torch.float32, 8, 4, 32, BLOCK):
         raise SystemExit("the CPU attention kernel is not available here (no C compiler?)")
+    baseline = kernel_of(args.against) if args.against else None
     print(f"{torch.get_num_threads()} threads, {args.batch} requests, medians of {args.repeats}")
     for dtype in (torch.float32, torch.bfloat16):
         for name, heads, kv_heads, head_dim, layers in SHAPES:
@@ -119,21 +125,21 @@ def main() -> None:
             this, base, stream = [], [], []
             run = partial(step, q, cache, tables, lens)
             run()  # compiles and warms
-            if args.against:
-                with kernel_of(args.against):
+            if baseline is not None:
+                with calling(baseline):
                     run()
             for _ in range(args.repeats):
                 this.append(timed(run))
                 stream.append(timed(flat.sum))
-                if args.against:
-                    with kernel_of(args.against):
+                if baseline is not None:
+                    with calling(baseline):
                         base.append(timed(run))
             t, s = statistics.median(this), statistics.median(stream)
             line = (
                 f"{name:8} {str(dtype)[6:]:9} {t * 1e3:7.2f} ms/step  {read / t / 1e9:5.1f} GB/s"
                 f"  x{s / t:.2f} of a streaming read ({read / s / 1e9:.1f} GB/s)"
             )
-            if args.against:
+            if baseline is not None:
                 b = statistics.median(base)
                 line += f"  {args.against}: {b * 1e3:.2f} ms, x{b / t:.2f}"
             print(line)

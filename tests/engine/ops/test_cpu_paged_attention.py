@@ -96,6 +96,7 @@ def test_a_bfloat16_cache_matches_the_reference(
         (9, 3, 64, 16),  # SmolLM2's shape
         (48, 6, 16, 16),  # group 8: two KV heads an item, three items a request
         (20, 5, 24, 8),  # group 4, generic head size: items of 4 and 1 KV heads
+        (20, 20, 16, 16),  # no grouping (MHA): items of 16 and 4 KV heads
     ],
 )
 def test_items_of_several_heads_match_the_reference(
