@@ -1,6 +1,7 @@
 """What a CPU engine's matmuls can do here: torch's `linear` (MKL's `sgemm` in float32, oneDNN
 unpacked in bfloat16: what `nn.Linear` calls) against oneDNN with the weight packed once
-(`baton.engine.layers.cpu_linear`, what Baton's CPU engine and vLLM's CPU build call), on
+(`baton.engine.layers.cpu_linear`, what Baton's CPU engine and vLLM's CPU build call; marked
+`*` where this CPU has no bfloat16 GEMM and the packed layer computes in float32), on
 SmolLM2-135M's shapes, float32 and bfloat16, side by side in one run. The offline throughput of
 a 135M model is mostly these (74% of op time in a profile).
 
@@ -19,7 +20,7 @@ import torch
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, for `baton`
 
-from baton.engine.layers.cpu_linear import PackedLinear, packs  # noqa: E402
+from baton.engine.layers.cpu_linear import PackedLinear, compute_dtype  # noqa: E402
 
 # (in, out) of SmolLM2-135M's projections: fused q/k/v, o, fused gate/up, down, lm_head
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
@@ -35,15 +36,17 @@ def seconds(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
 
 
 def gflops(m: int, k: int, n: int, dtype: torch.dtype) -> tuple[float, float | None]:
-    """GFLOP/s of `nn.Linear` and of the packed layer (None where oneDNN cannot pack `dtype`)."""
+    """GFLOP/s of `nn.Linear` and of the packed layer (None where oneDNN cannot pack `dtype`,
+    even widened)."""
     linear = torch.nn.Linear(k, n, bias=False).to(dtype)
     x = torch.randn(m, k).to(dtype)
     flop = 2 * m * k * n / 1e9
     with torch.inference_mode():
         dense = flop / seconds(lambda: linear(x))
-        if not packs(dtype):
+        compute = compute_dtype(dtype)
+        if compute is None:
             return dense, None
-        packed = PackedLinear(linear.weight, linear.bias)
+        packed = PackedLinear(linear.weight, linear.bias, compute)
         return dense, flop / seconds(lambda: packed(x))
 
 
@@ -64,7 +67,8 @@ def main() -> None:
                 if packed is None:
                     row += f" {dense:7.1f} {'-':>{width}} {'-':>6}"
                 else:
-                    row += f" {dense:7.1f} {packed:{width}.1f} {packed / dense:5.2f}x"
+                    mark = "*" if compute_dtype(dtype) != dtype else ""
+                    row += f" {dense:7.1f} {mark + f'{packed:.1f}':>{width}} {packed / dense:5.2f}x"
             print(row)
 
 

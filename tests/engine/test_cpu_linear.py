@@ -53,6 +53,60 @@ def test_float32_equals_linear_up_to_rounding(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 300])
+def test_a_widened_16bit_layer_is_the_float32_product_rounded(
+    rows: int, dtype: torch.dtype
+) -> None:
+    """Packed in float32, a 16-bit layer takes and gives its own dtype, and its answer is the
+    exact float32 product of the (exactly widened) operands rounded once: within one 16-bit
+    rounding of it, and of `F.linear`'s own 16-bit GEMM."""
+    linear = _linear(576, 960, True, dtype)
+    x = torch.randn(rows, 576).to(dtype)
+    packed = PackedLinear(linear.weight, linear.bias, torch.float32)
+    with torch.inference_mode():
+        got = packed(x)
+        exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+        want = linear(x)
+    assert got.dtype == dtype and got.shape == (rows, 960)
+    assert packed.packed.dtype == torch.float32
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.double(), exact, rtol=ulp, atol=ulp)
+    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=2 * ulp)
+
+
+def test_a_cpu_without_16bit_gemm_packs_those_layers_widened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where oneDNN runs float32 only, bfloat16 and float16 layers are packed in float32 rather
+    than left to torch's generic 16-bit GEMM; a float32 one is packed as it is."""
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: dtype == torch.float32)
+    assert cpu_linear.compute_dtype(torch.bfloat16) == torch.float32
+    assert cpu_linear.compute_dtype(torch.float16) == torch.float32
+    assert cpu_linear.compute_dtype(torch.float64) is None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96).bfloat16(), nn.Linear(96, 32).half(), nn.Linear(32, 8))
+    reference = [(m.weight.clone(), m.bias.clone()) for m in model]
+    assert pack_linears(model) == 3
+    assert [m.compute for m in model] == [torch.float32] * 3
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        hidden = model[0](x)
+        assert hidden.dtype == torch.bfloat16
+        out = model[2](model[1](hidden.half()).float())
+    want = F.linear(x.float(), reference[0][0].float(), reference[0][1].float()).bfloat16()
+    want = F.linear(want.half().float(), reference[1][0].float(), reference[1][1].float()).half()
+    want = F.linear(want.float(), *reference[2])
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+
+
+def test_a_torch_without_onednn_leaves_every_layer_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
+    model = nn.Sequential(nn.Linear(8, 8).bfloat16(), nn.Linear(8, 8))
+    assert pack_linears(model) == 0
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear]
+
+
 def test_any_leading_shape_and_strided_input() -> None:
     linear = _linear(32, 48, True, torch.float32)
     packed = _packed(linear)
@@ -89,9 +143,9 @@ def test_the_engine_model_is_packed_and_keeps_its_tied_embedding(tiny_model) -> 
 
 
 def test_a_dtype_oneDNN_cannot_run_stays_dense(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: dtype != torch.float16)
-    model = nn.Sequential(nn.Linear(8, 8).half(), nn.Linear(8, 8))
-    assert pack_linears(model) == 1
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: dtype == torch.float32)
+    model = nn.Sequential(nn.Linear(8, 8).double(), nn.Linear(8, 8))
+    assert pack_linears(model) == 1  # float64 is neither run nor widened
     assert type(model[0]) is nn.Linear and type(model[1]) is PackedLinear
 
 
@@ -105,8 +159,8 @@ def test_each_dense_weight_is_released_as_its_layer_is_packed(
     alive = []
 
     class Counting(PackedLinear):
-        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-            super().__init__(weight, bias)
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> None:
+            super().__init__(weight, bias, *args)
             alive.append(sum(r() is not None for r in refs))
 
     monkeypatch.setattr(cpu_linear, "PackedLinear", Counting)
@@ -119,10 +173,10 @@ def test_a_layer_oneDNN_refuses_stays_dense_and_the_rest_are_packed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     class Refusing(PackedLinear):
-        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *args) -> None:
             if weight.shape[0] == 24:
                 raise RuntimeError("no primitive for this shape")
-            super().__init__(weight, bias)
+            super().__init__(weight, bias, *args)
 
     monkeypatch.setattr(cpu_linear, "PackedLinear", Refusing)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 24), nn.Linear(24, 8))

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.engine.layers import cpu_linear
+from baton.engine.layers.cpu_linear import PackedLinear
 from baton.engine.ops import cpu_paged_attention
 from tests.engine.oracle import assert_greedy_matches, hf_greedy, hf_model
 
@@ -254,15 +256,26 @@ def test_bfloat16_runs(tiny_model) -> None:
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
 
 
-def test_bfloat16_decodes_agree_with_transformers_in_bfloat16(tiny_model) -> None:
+@pytest.mark.parametrize("gemm", ["this CPU's", "widened"])
+def test_bfloat16_decodes_agree_with_transformers_in_bfloat16(
+    tiny_model, monkeypatch: pytest.MonkeyPatch, gemm: str
+) -> None:
     """In bfloat16 (where greedy tokens are not comparable token for token: rounding differs
     between kernels), teacher-forced on the engine's own tokens, each decode's logprob of its
     token is within bfloat16's error of transformers' bfloat16 forward (0.1 to 0.13 at worst
     here, with the C kernel or the torch path alike), and the token is in
     transformers' top 2: the bfloat16 cache read by the C decode kernel (and by the torch path
-    where the kernel is missing) computes what transformers computes."""
+    where the kernel is missing) computes what transformers computes. `widened`: as on a CPU
+    whose oneDNN has no bfloat16 GEMM, every linear computes in float32 over a float32 packing."""
+    if gemm == "widened":
+        if not cpu_linear.packs(torch.float32):
+            pytest.skip("no oneDNN packed linear here")
+        monkeypatch.setattr(cpu_linear, "packs", lambda dtype: dtype == torch.float32)
     path = tiny_model("llama")
     llm = LLM(str(path), max_model_len=256, dtype="bfloat16")
+    if gemm == "widened":
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+        assert linears and all(m.compute == torch.float32 for m in linears)
     prompts = _prompts([20, 37, 90], 512, seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
