@@ -20,8 +20,10 @@ from tests.support.kmock_server import ApiServer
 ISVC_PATH = f"/apis/{crd.API_VERSION}/namespaces/{{ns}}/{crd.PLURAL}"
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Polls `check` until it returns something truthy; fails the test after `timeout`."""
+def wait_for(check: Callable[[], Any], timeout: float = 90.0, what: str = "condition") -> Any:
+    """Polls `check` until it returns something truthy; fails the test after `timeout`, which
+    covers an operator process's start on two cores busy with the rest of the suite (over 30 s
+    seen once in a full run)."""
     deadline = time.monotonic() + timeout
     while True:
         result = check()

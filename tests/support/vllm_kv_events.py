@@ -53,7 +53,8 @@ class Subscriber:
         monitor = self.sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.connect(f"tcp://127.0.0.1:{port}")
-        assert monitor.poll(5000), "the SUB socket did not connect"
+        # Generous: under a full suite on two cores, 5 s was once not enough.
+        assert monitor.poll(30_000), "the SUB socket did not connect"
         self.sub.disable_monitor()
         monitor.close(linger=0)
         time.sleep(0.1)  # the subscription travels to the publisher after the handshake
