@@ -125,7 +125,10 @@ def test_prefix_aware_routing_nears_the_oracle_and_beats_round_robin(
     engines: list[Server],
 ) -> None:
     """Prefix-aware placement's hit rate on the exact index and on the approximate one is
-    >= 0.9x the oracle's (measured: about 0.97x for both), and both >= 2x round-robin's."""
+    >= 0.9x the oracle's (measured: about 0.97x for both), >= 1.5x round-robin's, and closes at
+    least three quarters of the gap between round-robin and the oracle. (Not a fixed 2x over
+    round-robin: round-robin's luck moves with timing, and one CI run saw it at 0.49x the oracle,
+    where even the oracle is only 2.05x it.)"""
     oracle = _hit_rate(engines, lambda family: engines[family % NUM_ENGINES].url, "oracle")
     round_robin = _via_router(engines, "round-robin", "round-robin")
     exact = _via_router(engines, "prefix-aware", "exact")
@@ -135,4 +138,5 @@ def test_prefix_aware_routing_nears_the_oracle_and_beats_round_robin(
     assert oracle > 0.5  # the workload really is cacheable
     assert exact >= 0.9 * oracle
     assert approximate >= 0.9 * oracle
-    assert min(exact, approximate) >= 2 * round_robin
+    assert min(exact, approximate) >= 1.5 * round_robin
+    assert min(exact, approximate) - round_robin >= 0.75 * (oracle - round_robin)
