@@ -76,7 +76,7 @@ class _DecodeGroup:
 class _Decodes:
     """Every decode of the step, for the C kernel."""
 
-    token_idx: torch.Tensor  # [d] int64
+    token_idx: torch.Tensor | None  # [d] int64; None when they are the step's every token
     block_tables: torch.Tensor  # [d, max_blocks] int32
     seq_lens: torch.Tensor  # [d] int32
     starts: torch.Tensor | None  # [d] int32 first visible key position, None without a window
@@ -192,8 +192,9 @@ class TorchAttention:
                 starts = torch.from_numpy(
                     np.maximum(seq_lens[rows] - window, 0).astype(np.int32, copy=False)
                 )
+            every = len(rows) == q.shape[0]  # in order then: one token a request
             plan.decodes = _Decodes(
-                token_idx=torch.from_numpy(qsl[rows].astype(np.int64)),
+                token_idx=None if every else torch.from_numpy(qsl[rows].astype(np.int64)),
                 block_tables=torch.from_numpy(np.ascontiguousarray(tables[rows])),
                 seq_lens=torch.from_numpy(np.ascontiguousarray(seq_lens[rows])),
                 starts=starts,
@@ -244,20 +245,13 @@ class TorchAttention:
         v_cache[slots] = v  # type: ignore[index]
 
         plan = self._plan(meta, q, kv_cache, spec.window)
+        d = plan.decodes
+        if d is not None and d.token_idx is None:  # only decodes: no gather, no scatter
+            return self._decode(q, kv_cache, layer, d, spec)
         out = torch.empty_like(q)
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        if plan.decodes is not None:
-            d = plan.decodes
-            out[d.token_idx] = cpu_paged_attention.paged_decode_attention(
-                q[d.token_idx],
-                kv_cache,
-                layer,
-                d.block_tables,
-                d.seq_lens,
-                spec.scale,
-                starts=d.starts,
-                softcap=spec.softcap,
-            )
+        if d is not None:
+            out[d.token_idx] = self._decode(q[d.token_idx], kv_cache, layer, d, spec)
         for group in plan.decode_groups:
             n = group.token_idx.shape[0]
             qd = q[group.token_idx].unsqueeze(2)  # [g, heads, 1, head_dim]
@@ -282,6 +276,21 @@ class TorchAttention:
             )
             out[p.start : p.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor, kv_cache: torch.Tensor, layer: int, d: _Decodes, spec: AttentionSpec
+    ) -> torch.Tensor:
+        return cpu_paged_attention.paged_decode_attention(
+            q,
+            kv_cache,
+            layer,
+            d.block_tables,
+            d.seq_lens,
+            spec.scale,
+            starts=d.starts,
+            softcap=spec.softcap,
+        )
 
 
 class TritonAttention:

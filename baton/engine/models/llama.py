@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 == self.weight.dtype:
+            # The same operations in one call: bit for bit the float32 formula below.
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # fp32 statistics, as transformers computes them, whatever the model dtype.
         dtype = x.dtype
         x32 = x.float()
@@ -61,7 +65,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotation (rotate halves), with a cos/sin table indexed by position."""
+    """Neox-style rotation (rotate halves), with a cos/sin table indexed by position.
+
+    A step looks its positions' rows up once (`tables`) and every layer rotates with them:
+    `x * [cos, cos] + roll(x, half) * [-sin, sin]`, bit for bit transformers'
+    `x * cos + rotate_half(x) * sin` (a negated product added is the product subtracted)."""
 
     cos: torch.Tensor  # [max_positions, head_dim / 2] float32 buffer
     sin: torch.Tensor
@@ -82,18 +90,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [cos, cos] and [-sin, sin] rows of `positions`: [num_tokens, 1, head_dim]."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    @staticmethod
+    def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`x` [num_tokens, heads, head_dim] rotated, in float32, returned in x's dtype."""
+        cos, sin = tables
+        x32 = x.float()
+        return (x32 * cos + x32.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -129,14 +136,22 @@ class Attention(nn.Module):
         attn: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, hd = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, hd)
+        # Once a step: every layer rotates the same positions with the model's one rotary.
+        tables = meta.plan.get("rope") or meta.plan.setdefault(
+            "rope", self.rotary.tables(positions)
+        )
+        tables = cast("tuple[torch.Tensor, torch.Tensor]", tables)
+        rotate = self.rotary.rotate
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, hd))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, -1, hd))
+            q, k = rotate(q, tables), rotate(k, tables)
+        else:  # q and k side by side in qkv: rotated in one go
+            qk = rotate(qkv[:, : self.q_size + self.kv_size].view(n, -1, hd), tables)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = attn(q, k, v, kv_cache, self.layer, meta)  # [num_tokens, heads, head_dim]
         return self.tp.all_reduce(self.o_proj(out.view(n, self.q_size)))
 

@@ -23,7 +23,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import cache
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -118,13 +119,16 @@ def prebuild(folder: Path) -> list[Path]:
         raise RuntimeError("no C compiler (cc or gcc) to prebuild the CPU attention kernel with")
     if platform.machine() not in ("x86_64", "AMD64"):
         raise RuntimeError(f"prebuilt kernels are x86-64 only; this is {platform.machine()}")
-    built = []
-    for level in _X86_LEVELS:
-        path = folder / f"{_key(level)}.so"
-        if not _compile(compiler, level, path):
-            raise RuntimeError(f"compiling the CPU attention kernel for {level} failed")
-        built.append(path)
-    return built
+    built = {level: folder / f"{_key(level)}.so" for level in _X86_LEVELS}
+    # One compiler process per level at once: each is single-threaded and takes seconds.
+    with ThreadPoolExecutor(len(built)) as pool:
+        ok = dict(
+            zip(built, pool.map(partial(_compile, compiler), built, built.values()), strict=True)
+        )
+    failed = [level for level, good in ok.items() if not good]
+    if failed:
+        raise RuntimeError(f"compiling the CPU attention kernel for {', '.join(failed)} failed")
+    return list(built.values())
 
 
 @cache
