@@ -7,9 +7,12 @@ the kernel's time for one step (every layer), the K and V bytes it reads per sec
 rate against a streaming read (`torch.sum` over a contiguous tensor of the same bytes: the
 memory's rate for this access at its best). With `--against REV` the kernel source of git
 revision REV is compiled too, and the two alternate in one loop: the printed ratio is REV's time
-over this tree's.
+over this tree's. The cache is allocated as the engine's (`zeroed`: anonymous memory asking for
+transparent huge pages); with `--huge-pages` a copy in 4 KiB pages is timed too, alternated, and
+the printed ratio is its time over the huge pages'.
 
-    python bench/cpu_attention.py [--against REV] [--repeats 9] [--batch 64] [--context 150 650]
+    python bench/cpu_attention.py [--against REV] [--huge-pages] [--repeats 9] [--batch 64]
+        [--context 150 650]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.ops import cpu_paged_attention as cpa
+from baton.engine.worker.model_runner import zeroed
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, query heads, KV heads, head_dim, layers)
@@ -81,7 +85,9 @@ def make_batch(
     lens = torch.randint(*context, (batch,), generator=g, dtype=torch.int32)
     per_request = [-(-int(n) // BLOCK) for n in lens]
     num_blocks = 4 * sum(per_request)
-    cache = torch.randn(num_blocks, layers, 2, BLOCK, kv_heads, head_dim, generator=g).to(dtype)
+    data = torch.randn(num_blocks, layers, 2, BLOCK, kv_heads, head_dim, generator=g)
+    cache = zeroed(tuple(data.shape), dtype, torch.device("cpu"))  # as the engine's KV cache
+    cache.copy_(data)
     scattered = torch.randperm(num_blocks, generator=g).to(torch.int32)
     tables = torch.zeros(batch, max(per_request), dtype=torch.int32)
     used = 0
@@ -110,6 +116,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, nargs=2, default=(150, 650), metavar=("MIN", "MAX"))
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="time the cache in 4 KiB pages too, alternated with the engine's (huge) ones",
+    )
     args = parser.parse_args()
     if not cpa.available(torch.float32, 8, 4, 32, BLOCK):
         raise SystemExit("the CPU attention kernel is not available here (no C compiler?)")
@@ -122,18 +133,24 @@ def main() -> None:
             )
             read = int(lens.sum()) * layers * 2 * kv_heads * head_dim * cache.element_size()
             flat = torch.randn(read // 4)
-            this, base, stream = [], [], []
+            this, base, stream, small = [], [], [], []
             run = partial(step, q, cache, tables, lens)
             run()  # compiles and warms
             if baseline is not None:
                 with calling(baseline):
                     run()
+            if args.huge_pages:
+                small_pages = zeroed(tuple(cache.shape), dtype, cache.device, huge_pages=False)
+                run_small = partial(step, q, small_pages.copy_(cache), tables, lens)
+                run_small()
             for _ in range(args.repeats):
                 this.append(timed(run))
                 stream.append(timed(flat.sum))
                 if baseline is not None:
                     with calling(baseline):
                         base.append(timed(run))
+                if args.huge_pages:
+                    small.append(timed(run_small))
             t, s = statistics.median(this), statistics.median(stream)
             line = (
                 f"{name:8} {str(dtype)[6:]:9} {t * 1e3:7.2f} ms/step  {read / t / 1e9:5.1f} GB/s"
@@ -142,6 +159,9 @@ def main() -> None:
             if baseline is not None:
                 b = statistics.median(base)
                 line += f"  {args.against}: {b * 1e3:.2f} ms, x{b / t:.2f}"
+            if args.huge_pages:
+                b = statistics.median(small)
+                line += f"  4 KiB pages: {b * 1e3:.2f} ms, x{b / t:.2f}"
             print(line)
 
 
