@@ -65,3 +65,15 @@ def test_the_cache_asks_for_huge_pages_and_a_4k_copy_does_not() -> None:
         small = zeroed((size,), torch.float32, torch.device("cpu"), huge_pages=False)
         small.fill_(1.0)
         assert _huge_kib(small) == 0
+
+
+def test_a_kernel_that_refuses_the_advice_still_gets_its_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel built without THP answers MADV_HUGEPAGE with EINVAL; an unknown advice gets the
+    same answer here. The engine starts on 4 KiB pages rather than failing."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no madvise advice on this platform")
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF)
+    t = zeroed((4, 1024), torch.float32, torch.device("cpu"))
+    assert t.shape == (4, 1024) and not t.any()
