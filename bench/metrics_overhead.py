@@ -46,9 +46,19 @@ from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.engine.protocol import EngineStats
 from baton.engine.sampling_params import SamplingParams
 from baton.http_metrics import HTTPMetrics
+from baton.ports import free_port
 from baton.router.engines import EngineSet
 from baton.router.metrics import RouterMetrics
-from bench.router import ROOT, _cpu_seconds, _free_port, _load, _start
+from bench.router import (
+    PROMPT,
+    ROOT,
+    _request,
+    _stop,
+    cpu_seconds,
+    load,
+    start_engine,
+    start_router,
+)
 from bench.serve import BenchConfig, run_benchmark
 
 STREAMS = 64
@@ -63,7 +73,7 @@ def _start_engines(
     their output goes to files under `logs`."""
     procs = {}
     for i, (name, flags) in enumerate(modes.items()):
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "engine",
                 "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
                 "--max-model-len", "512", "--num-gpu-blocks-override", "2048",
@@ -92,7 +102,7 @@ def _healthy(url: str) -> bool:
 
 def _engine_round(url: str, pid: int, config: BenchConfig) -> dict[str, float]:
     """One run of the workload against the server at `url` (API server process `pid`)."""
-    cpu = _cpu_seconds(pid)
+    cpu = cpu_seconds(pid)
     result = asyncio.run(run_benchmark(dataclasses.replace(config, base_url=url)))
     m = result.metrics
     if m["failed"]:
@@ -100,7 +110,7 @@ def _engine_round(url: str, pid: int, config: BenchConfig) -> dict[str, float]:
     return {
         "output_tok_s": m["output_throughput"],
         "tpot_ms": m["mean_tpot_ms"],
-        "server_cpu_ms_per_request": (_cpu_seconds(pid) - cpu) * 1000 / m["completed"],
+        "server_cpu_ms_per_request": (cpu_seconds(pid) - cpu) * 1000 / m["completed"],
     }
 
 
@@ -166,30 +176,19 @@ def request_timer_us(tokens: int, n: int = 2000) -> float:
 
 def measure_router(requests: int) -> float:
     """The router's CPU ms per streamed request at 64 streams, against the fake engine."""
-    engine_port, router_port = _free_port(), _free_port()
-    engine_url = f"http://127.0.0.1:{engine_port}"
-    router_url = f"http://127.0.0.1:{router_port}"
-    engine = _start(
-        [sys.executable, "-m", "tests.support.fake_engine", "--port", str(engine_port)],
-        engine_url,
-    )
+    engine, (engine_port,) = start_engine(1, 0.0, None)
     try:
-        router = _start(
-            [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router",
-             "--host", "127.0.0.1", "--port", str(router_port), "--engine", engine_url],
-            router_url,
-        )  # fmt: skip
+        router, port = start_router([engine_port], None)
         try:
-            asyncio.run(_load(router_url, STREAMS, 200, 16))  # warm-up
-            cpu = _cpu_seconds(router.pid)
-            latencies, _ = asyncio.run(_load(router_url, STREAMS, requests, 16))
-            return (_cpu_seconds(router.pid) - cpu) * 1000 / len(latencies)
+            stream = [_request(PROMPT, 16, True)]
+            load(port, stream, 200, STREAMS, 1, None)  # warm-up
+            cpu = cpu_seconds(router.pid)
+            load(port, stream, requests, STREAMS, 1, None)
+            return (cpu_seconds(router.pid) - cpu) * 1000 / requests
         finally:
-            router.terminate()
-            router.wait(10)
+            _stop(router)
     finally:
-        engine.terminate()
-        engine.wait(10)
+        _stop(engine)
 
 
 def router_metric_calls_us(n: int = 200_000) -> float:

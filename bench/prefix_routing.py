@@ -55,12 +55,13 @@ import numpy as np
 if not __package__:  # run as `python bench/prefix_routing.py`: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from baton.ports import free_port
 from baton.router.kv_index import KVIndex
 from baton.router.kv_subscriber import Subscriptions
 from baton.router.prompts import Prompt
 from baton.router.tokenizers import TOKENIZER_PATH, prompt_token_ids
 from baton.tokenizer import Tokenizer, load_tokenizer
-from bench.disagg import Cluster, Setup, _free_port
+from bench.disagg import Cluster, Setup
 
 CHAT = "/v1/chat/completions"
 NUM_ENGINES = 4
@@ -215,7 +216,7 @@ class RouterReplica:
     """A second `baton router` on the engines of a `baton serve`, with the same flags."""
 
     def __init__(self, engines: Sequence[str], flags: Sequence[str], log_dir: Path) -> None:
-        self.url = f"http://127.0.0.1:{(port := _free_port())}"
+        self.url = f"http://127.0.0.1:{(port := free_port())}"
         cmd = [sys.executable, "-m", "baton.cli", "--log-level", "WARNING", "router"]
         cmd += ["--host", "127.0.0.1", "--port", str(port), *flags]
         cmd += [word for url in engines for word in ("--engine", url)]
