@@ -172,6 +172,9 @@ class _Steps:
         self.task: asyncio.Future[None] | None = None
 
     def add(self, transport: asyncio.Transport, pieces: list[bytes]) -> None:
+        if len(pieces) == 3:  # one token: head, its event and the end at once
+            transport.write(b"".join(pieces))
+            return
         transport.write(pieces[0] + pieces[1])
         self.streams.append((transport, pieces, 2))
         if self.task is None:
@@ -243,18 +246,20 @@ class _Relay(asyncio.Protocol):
         self.client: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self.early: list[bytes] = []  # what the client sent before the engine connection was up
+        self.connecting: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = cast(asyncio.Transport, transport)
-        self.connecting = asyncio.ensure_future(self._connect())
+        self.connecting = asyncio.ensure_future(self._connect(self.client))
 
-    async def _connect(self) -> None:
-        assert self.client is not None
-        client = self.client
+    async def _connect(self, client: asyncio.Transport) -> None:
         upstream, _ = await asyncio.get_running_loop().create_connection(
             lambda: _Back(client), "127.0.0.1", self.engine_port
         )
         self.upstream = cast(asyncio.Transport, upstream)
+        if client.is_closing():  # the client left while the engine connection was made
+            self.upstream.close()
+            return
         for data in self.early:
             self.upstream.write(data)
 
@@ -430,21 +435,24 @@ def _pinned(cpu: int | None) -> Callable[[], None] | None:
     return None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
 
 
-def start_engine(
-    count: int, itl: float, cpu: int | None, pacing: str = "steps"
-) -> tuple[subprocess.Popen[bytes], list[int]]:
-    argv = [sys.executable, __file__, "--serve-engine", str(count), "--itl", str(itl),
-            "--pacing", pacing]  # fmt: skip
+def _serve(flags: list[str], cpu: int | None) -> tuple[subprocess.Popen[bytes], list[int]]:
+    """This file run with `flags` as a server process; it and the ports it printed."""
+    argv = [sys.executable, __file__, *flags]
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, preexec_fn=_pinned(cpu))
     assert proc.stdout is not None
     return proc, [int(p) for p in proc.stdout.readline().split()]
 
 
+def start_engine(
+    count: int, itl: float, cpu: int | None, pacing: str = "steps"
+) -> tuple[subprocess.Popen[bytes], list[int]]:
+    flags = ["--serve-engine", str(count), "--itl", str(itl), "--pacing", pacing]
+    return _serve(flags, cpu)
+
+
 def start_relay(engine_port: int, cpu: int | None) -> tuple[subprocess.Popen[bytes], int]:
-    argv = [sys.executable, __file__, "--serve-relay", str(engine_port)]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, preexec_fn=_pinned(cpu))
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
+    proc, (port,) = _serve(["--serve-relay", str(engine_port)], cpu)
+    return proc, port
 
 
 def start_router(

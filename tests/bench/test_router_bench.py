@@ -30,11 +30,16 @@ def _arrivals(sock: socket.socket) -> list[float]:
 
 
 def _two_streams(pacing: str) -> tuple[list[float], list[float]]:
-    """Two streams of 4 tokens, the second asked for 0.3 ITL after the first."""
+    """A stream of one token (which must end, and leave the engine pacing the next ones), then
+    two streams of 4 tokens, the second asked for 0.3 ITL after the first."""
     engine, (port,) = start_engine(1, ITL, None, pacing)
     try:
         first = socket.create_connection(("127.0.0.1", port))
         second = socket.create_connection(("127.0.0.1", port))
+        for sock in (first, second):
+            sock.settimeout(10)
+        first.sendall(_request(PROMPT, 1, True))
+        assert len(_arrivals(first)) == 1
         request = _request(PROMPT, 4, True)
         with ThreadPoolExecutor(2) as pool:  # both read as the events come
             reads = [pool.submit(_arrivals, sock) for sock in (first, second)]

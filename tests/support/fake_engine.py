@@ -4,7 +4,7 @@ for latency and failures. No model: the answer to a prompt is a fixed function o
 so an answer computed locally, and one computed after a (fake) KV hand-off, are equal.
 
 The knobs are plain attributes of `FakeEngine`, changed by tests while the server runs.
-`python -m tests.support.fake_engine --port P` serves one on its own (for bench/router.py).
+`python -m tests.support.fake_engine --port P` serves one on its own.
 """
 
 from __future__ import annotations
