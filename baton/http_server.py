@@ -12,6 +12,13 @@ loris), holds its connection and its socket forever. Here every request must arr
 connection, for the first request); past that the connection is closed, and a request already
 handed to the app sees a disconnect.
 
+Their protocol also offers a streamed response a way past the ASGI `send` chain for its body
+(`BODY_WRITER` in the scope's extensions, as ASGI servers offer theirs): a chunk written with it
+goes straight onto the connection, framed as uvicorn frames it. The router and the engine's
+event streams send each token's chunk that way, which at 64 streams on one core is what a
+chunk costs (docs/router.md); the middlewares read only a response's start, which still goes
+through `send`.
+
 Both also share who may call them (`BearerAuth`, on with `--api-key` or `BATON_API_KEY`, as
 vLLM's `--api-key` / `VLLM_API_KEY`) and TLS (`--ssl-certfile` / `--ssl-keyfile`, uvicorn's).
 With a key every path but the liveness and metrics ones (`OPEN_PATHS`) needs
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import hashlib
 import os
@@ -38,7 +46,7 @@ import prometheus_client
 import uvicorn
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from baton.errors import APIError
 
@@ -51,6 +59,8 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 API_KEY_ENV = "BATON_API_KEY"  # the key when --api-key is not given (vLLM: VLLM_API_KEY)
 # What a client may call without the key: probes and scrapers hold no key.
 OPEN_PATHS = frozenset(("/health", "/metrics"))
+# The scope extension holding a request's `write_body(chunk) -> bool` (see `body_writer`).
+BODY_WRITER = "baton.write_body"
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,45 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._disarm()
 
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade: a new request
+            extensions: dict[str, Any] = self.scope.setdefault("extensions", {})
+            extensions[BODY_WRITER] = functools.partial(_write_body, cycle)
+
+
+def protocol_class(read_timeout: float = DEFAULT_READ_TIMEOUT) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (`http=`): httptools' with the read deadline and
+    `BODY_WRITER`."""
+    return type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), {"read_timeout": read_timeout})
+
+
+def _write_body(cycle: RequestResponseCycle, chunk: bytes) -> bool:
+    """`chunk` written at once as the next piece of `cycle`'s chunked response body; False,
+    with nothing written, where it must go through `send` instead: before the response's
+    start or after its end, a body not chunked, a connection whose writes are paused (`send`
+    waits for the client to drain it) or gone."""
+    if (
+        not cycle.response_started
+        or cycle.response_complete
+        or not cycle.chunked_encoding
+        or cycle.flow.write_paused
+        or cycle.disconnected
+    ):
+        return False
+    if chunk:  # an empty chunk would end the body
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    return True
+
+
+def body_writer(scope: Scope) -> Callable[[bytes], bool] | None:
+    """The server's `write_body` for this request, None under a server without one (tests'
+    in-process transports): a streamed response calls it with each body chunk once its
+    start is sent, and sends the chunk through `send` where it returns False."""
+    extensions = scope.get("extensions")
+    return extensions.get(BODY_WRITER) if extensions else None
+
 
 # ---- who may call -----------------------------------------------------------------------------
 
@@ -261,15 +310,13 @@ class HTTPServer:
         lifespan: Literal["on", "off"],
         graceful_shutdown: float,
     ) -> None:
-        # uvicorn takes a protocol class; this one drops clients slower than the read deadline.
-        timeout = {"read_timeout": listen.request_read_timeout}
         if listen.api_keys:
             app = BearerAuth(app, listen.api_keys)
         config = uvicorn.Config(
             app,
             host=listen.host,
             port=listen.port,
-            http=type("ReadTimeoutProtocol", (_ReadTimeoutProtocol,), timeout),
+            http=protocol_class(listen.request_read_timeout),
             lifespan=lifespan,
             access_log=listen.access_log,
             log_config=None,  # uvicorn's lines go through the process's handler (baton.logs)

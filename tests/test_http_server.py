@@ -25,6 +25,7 @@ from baton.http_server import (
     ListenConfig,
     add_listen_args,
     api_keys_from_args,
+    body_writer,
     cancel_on_disconnect,
     freeze_startup_heap,
 )
@@ -86,6 +87,51 @@ async def test_serves_until_stopped() -> None:
     assert http.stopping
     await asyncio.wait_for(serving, 10)
     assert http.started
+
+
+@pytest.mark.asyncio
+async def test_body_chunks_written_past_send_arrive_whole_and_wait_for_a_slow_client() -> None:
+    """`body_writer` writes a streamed body's chunks onto the connection at once; it refuses
+    (False) before the response starts and while the client reads slower than the app writes
+    (the app then awaits `send`, which waits for the client to drain); every byte arrives,
+    in order, framed as uvicorn frames it."""
+    seen: dict[str, int] = {}
+    chunks = [b"%08d" % i + b"x" * 65536 for i in range(300)]  # 19 MiB: more than the buffers
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        write = body_writer(scope)
+        assert write is not None and not write(b"early")
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+        seen["direct"] = seen["sent"] = 0
+        for chunk in chunks:
+            if write(chunk):
+                seen["direct"] += 1
+            else:
+                seen["sent"] += 1
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    port = free_port()
+    http = HTTPServer(app, ListenConfig(host="127.0.0.1", port=port), lifespan="off",
+                      graceful_shutdown=1)  # fmt: skip
+    serving = asyncio.create_task(http.serve())
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for _ in range(100):
+                with contextlib.suppress(httpx.ConnectError):
+                    async with client.stream("GET", f"http://127.0.0.1:{port}/") as response:
+                        await asyncio.sleep(1.0)  # a slow reader: the server's writes pause
+                        body = b"".join([piece async for piece in response.aiter_bytes()])
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the server never listened")
+    finally:
+        http.stop()
+        await asyncio.wait_for(serving, 10)
+    assert body == b"".join(chunks)
+    assert seen["direct"] > 0 and seen["sent"] > 0, seen
 
 
 @pytest.mark.asyncio

@@ -1,4 +1,9 @@
-"""The router's HTTP face: a FastAPI app with the engines' OpenAI routes in front of a `Router`.
+"""The router's HTTP face: a Starlette app with the engines' OpenAI routes in front of a `Router`.
+
+A Starlette app, not FastAPI's: the router validates nothing and documents no schema of its own,
+and FastAPI's layers around every request (its telemetry probe, its body limit, its exit stack)
+cost as much as Starlette's whole dispatch. A path or method no route takes is a 404 or 405 in
+OpenAI's error shape.
 
 Request bodies are read as raw JSON (not validated into models): the engines validate them and
 their 400s pass through unchanged, and the router stays a thin, fast hop. The app starts the
@@ -12,7 +17,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
 
 from baton.errors import APIError
@@ -30,11 +37,19 @@ def _json(body: object, status: int = 200) -> Response:
     return Response(json.dumps(body), status_code=status, media_type="application/json")
 
 
-def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
+async def _http_error(_: Request, error: Exception) -> Response:
+    """No route for the path (404) or the method (405), in OpenAI's error shape."""
+    assert isinstance(error, HTTPException)
+    response = APIError(error.status_code, str(error.detail)).response()
+    response.headers.update(error.headers or {})
+    return response
+
+
+def build_app(router: Router, discovery: Discovery | None = None) -> Starlette:
     """The app serving `router`; `discovery`, when given, starts with the app's lifespan."""
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
         if discovery is not None:
             router.start(discovery)
         try:
@@ -42,11 +57,7 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
         finally:
             await router.close()
 
-    app = FastAPI(
-        title="Baton router",
-        description="The cluster-wide OpenAI endpoint in front of Baton engines",
-        lifespan=lifespan,
-    )
+    app = Starlette(lifespan=lifespan, exception_handlers={HTTPException: _http_error})
     app.state.router = router
     metrics = router.metrics
 
@@ -70,32 +81,30 @@ def build_app(router: Router, discovery: Discovery | None = None) -> FastAPI:
     async def generate(route: str, request: Request) -> Response:
         return await router.generate(await router.read(route, request))
 
-    # Plain Starlette routes: FastAPI's dependency solving per request is measurable at 64
-    # streams on two cores, and the bodies are the engines' to validate anyway.
     for route in ("/v1/completions", "/v1/chat/completions"):
         app.add_route(route, endpoint(route, generate), methods=["POST"])
     for route in ("/tokenize", "/detokenize"):
         app.add_route(route, endpoint(route, router.forward_any), methods=["POST"])
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(_: Request) -> Response:
         return _json(router.models())
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def health(_: Request) -> Response:
         """200 once every known engine has been checked; the router itself is up."""
         if not router.ready():
             return APIError(503, "the router is starting: engines not checked yet").response()
         available = sum(1 for e in router.describe() if e["available"])
         return _json({"status": "ok", "engines": len(router.engines), "available": available})
 
-    @app.get("/engines")
-    async def engines() -> Response:
+    async def engines(_: Request) -> Response:
         return _json({"engines": router.describe(), "models": router.describe_models()})
 
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
+    async def metrics_route(_: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    for path, get in (("/v1/models", models), ("/health", health), ("/engines", engines),
+                      ("/metrics", metrics_route)):  # fmt: skip
+        app.add_route(path, get, methods=["GET"])
 
     app.add_middleware(HTTPMetrics, registry=metrics.registry)
     app.add_middleware(RequestTracing, tracer=router.tracer, forward_id=True)

@@ -7,11 +7,12 @@ backpressure, not failure: the next engine is tried and, if every engine tried a
 so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is.
 
 Once an answer's first bytes are in, the engine is committed: a stream is passed through chunk
-by chunk as it arrives, never buffered. A stream that breaks later (its connection, an error
-event, no `data: [DONE]`) migrates to another engine when it can (`migration`); otherwise it
-ends with an error event and `data: [DONE]` rather than a hang. A whole answer reaches the
-client without the engine's `kv_transfer_params` (where an engine's KV blocks wait is the
-router's business alone).
+by chunk as it arrives, never buffered (streams go over `engine_stream`'s connections, from
+socket to socket without a task per chunk; whole answers over aiohttp's pool). A stream that
+breaks later (its connection, an error event, no `data: [DONE]`) migrates to another engine
+when it can (`migration`); otherwise it ends with an error event and `data: [DONE]` rather than
+a hang. A whole answer reaches the client without the engine's `kv_transfer_params` (where an
+engine's KV blocks wait is the router's business alone).
 
 Every attempt carries the engines' key and TLS settings (`UpstreamAuth`), whatever headers
 its caller passed: the client's `Authorization` never reaches an engine.
@@ -23,7 +24,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -31,7 +32,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from baton.errors import APIError
+from baton.http_server import body_writer
 from baton.router.config import RouterConfig
+from baton.router.engine_stream import EngineConnection, EngineStreams, StreamError
 from baton.router.engines import EngineState
 from baton.router.health import HealthMonitor
 from baton.router.metrics import RouterMetrics
@@ -52,15 +55,13 @@ Pick = Callable[[set[str]], EngineState | None]
 @dataclass
 class Answer:
     """An engine's answer whose first bytes have arrived. Exactly one of `body` (whole) and
-    `stream` (the rest of an event stream, `first_chunk` already read) is set."""
+    `stream` (an event stream's connection, its first body bytes in) is set."""
 
     engine: EngineState
     status: int
     content_type: str
     body: bytes | None = None
-    stream: aiohttp.ClientResponse | None = None
-    chunks: AsyncIterator[bytes] | None = None
-    first_chunk: bytes = b""
+    stream: EngineConnection | None = None
 
 
 class _Failed(Exception):
@@ -87,6 +88,9 @@ class Upstream:
         self.metrics = metrics
         self.max_retries = config.max_retries
         self.auth = UpstreamAuth(config)
+        self.streams = EngineStreams(
+            config.max_connections, config.connect_timeout, config.request_timeout, self.auth.ssl
+        )
 
     async def send(
         self,
@@ -146,6 +150,28 @@ class Upstream:
         headers: Mapping[str, str],
         stream: bool,
     ) -> Answer:
+        if stream:
+            try:
+                connection = await self.streams.open(
+                    engine.url, route, content, self.auth.apply(headers)
+                )
+            except StreamError as e:
+                raise _Failed(e.kind, e.message) from None
+            status, content_type = connection.status, connection.content_type
+            if connection.is_stream:
+                return Answer(engine, status, content_type, stream=connection)
+            body = connection.body()
+            connection.release()
+        else:
+            status, content_type, body = await self._post(engine, route, content, headers)
+        if status in _RETRYABLE:
+            raise _Failed(f"status_{status}", f"answered {status}: {error_message(body)}")
+        return Answer(engine, status, content_type or "application/json", body)
+
+    async def _post(
+        self, engine: EngineState, route: str, content: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, str, bytes]:
+        """A whole answer through aiohttp's pool: status, content type and body."""
         try:
             response = await self.session().post(
                 engine.url + route,
@@ -157,19 +183,7 @@ class Upstream:
             raise _Failed("timeout", f"timed out ({type(e).__name__})") from None
         except aiohttp.ClientError as e:
             raise _Failed("connect", f"{type(e).__name__}: {e}") from None
-        status = response.status
-        content_type = response.headers.get("content-type", "application/json")
         try:
-            if stream and status == 200 and content_type.startswith("text/event-stream"):
-                chunks = response.content.iter_any()
-                first = b""
-                async for piece in chunks:  # up to the first non-empty body bytes
-                    if piece:
-                        first = piece
-                        break
-                if not first:
-                    raise _Failed("broken", "the stream ended before its first byte")
-                return Answer(engine, status, content_type, None, response, chunks, first)
             body = await response.read()
         except TimeoutError:
             response.close()
@@ -181,9 +195,7 @@ class Upstream:
             response.close()
             raise
         response.release()
-        if status in _RETRYABLE:
-            raise _Failed(f"status_{status}", f"answered {status}: {error_message(body)}")
-        return Answer(engine, status, content_type, body)
+        return response.status, response.headers.get("content-type", ""), body
 
     def response(
         self,
@@ -197,7 +209,7 @@ class Upstream:
         """The client's response for `answer`; a stream's end releases the engine. A stream
         with a `migrator` (and the `log` of its events) moves to another engine if it breaks."""
         headers = {"x-baton-engine": answer.engine.url, **(extra_headers or {})}
-        if answer.stream is None or answer.chunks is None:
+        if answer.stream is None:
             self.metrics.duration(route, time.perf_counter() - started)
             return Response(
                 without_kv_params(answer.body),
@@ -210,15 +222,18 @@ class Upstream:
 
 
 class _PassThrough(Response):
-    """An engine's event stream, sent on chunk by chunk as it arrives. Its end, or the
-    client's departure, closes the engine connection and releases the engine exactly once.
-    With a `Migrator`, a stream that breaks goes on from another engine (each released in
-    turn).
+    """An engine's event stream, sent on as it arrives. Its end, or the client's departure,
+    closes the engine connection (or pools it, when the answer ended whole) and releases the
+    engine exactly once. With a `Migrator`, a stream that breaks goes on from another engine
+    (each released in turn).
 
-    Not Starlette's StreamingResponse: that runs a task group per response and a generator
-    per chunk, which at 64 streams on two cores cost more than everything else the router
-    does. Here one watcher task per stream waits for the client's disconnect and, if it comes,
-    closes the engine connection, which ends the pump.
+    Each piece of the engine's body is framed by the stream's log and written on the client's
+    connection from inside the read that brought it (`EngineConnection.attach`, the server's
+    `body_writer`): no task wakes for a chunk. Only a chunk the server cannot write at once (the
+    client reads slower than the engine writes, or an in-process server without the writer)
+    wakes the pump task, which sends it through `send` (waiting for the client to drain) while
+    the engine connection's reading is paused. One watcher task per stream waits for the
+    client's disconnect and, if it comes, closes the engine connection, which ends the pump.
     """
 
     def __init__(
@@ -238,12 +253,14 @@ class _PassThrough(Response):
         self._migrator = migrator
         self._log = log
         self._client_gone = False
+        self._write: Callable[[bytes], bool] | None = None
         self.status_code = answer.status
         self.media_type = answer.content_type
         self.background = None
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._write = body_writer(scope)
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await self._pump(send)
@@ -279,46 +296,56 @@ class _PassThrough(Response):
 
     async def _relay(self, send: Send) -> str | None:
         """Sends the current engine's stream on; None when it ended well, else what broke."""
-        answer, log = self._answer, self._log
-        assert answer.chunks is not None
-        try:
-            if not await self._forward(send, answer.first_chunk):
-                return f"the engine sent an error: {log.error if log else ''}"
-            async for chunk in answer.chunks:
-                if not await self._forward(send, chunk):
-                    return f"the engine sent an error: {log.error if log else ''}"
-        except (aiohttp.ClientError, TimeoutError) as e:
-            return f"{type(e).__name__}: {e}"
+        connection, log, write = self._answer.stream, self._log, self._write
+        assert connection is not None
+        held: list[bytes] = []  # framed, for `send`: the server could not write them at once
+
+        def sink(piece: bytes) -> None:
+            out = piece if log is None else log.feed(piece)
+            if out and (held or write is None or not write(out)):
+                held.append(out)
+                connection.pause_reading()
+                connection.wake()
+            if log is not None and log.error is not None:
+                connection.close()  # nothing more of it goes on
+
+        connection.attach(sink)
+        while True:
+            await connection.wait_for(lambda: bool(held))
+            while held and not self._client_gone:
+                out = b"".join(held)
+                held.clear()
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            connection.resume_reading()
+            if connection.ended.done() or self._client_gone:
+                break
+        if log is not None and log.error is not None:
+            return f"the engine sent an error: {log.error}"
+        why = connection.ended.result() if connection.ended.done() else "the client left"
+        if why is not None:
+            return why
         if log is not None and not log.done:
             return "the stream ended before data: [DONE]"
         return None
-
-    async def _forward(self, send: Send, chunk: bytes) -> bool:
-        """Sends `chunk` on (what of it the log lets through); False at an error event."""
-        log = self._log
-        out = chunk if log is None else log.feed(chunk)
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-        return log is None or log.error is None
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self._client_gone = True
-        stream = self._answer.stream
-        if stream is not None:
-            stream.close()  # the engine sees the disconnect and aborts; the pump ends
+        connection = self._answer.stream
+        if connection is not None:
+            connection.close()  # the engine sees the disconnect and aborts; the pump ends
 
     def _release(self) -> None:
         answer = self._answer
         if answer.stream is None:
             return
-        stream, answer.stream = answer.stream, None
+        connection, answer.stream = answer.stream, None
         answer.engine.in_flight -= 1
-        if stream.content.at_eof() and not self._client_gone:
-            stream.release()  # the connection goes back to the pool
+        if self._client_gone:
+            connection.close()
         else:
-            stream.close()  # cut midway: the connection cannot be reused
+            connection.release()  # pooled when its answer ended whole, else closed
 
 
 def without_kv_params(body: bytes | None) -> bytes | None:

@@ -183,6 +183,7 @@ class Router:
         await self.health.close()
         await self.subscriptions.close()
         await self.tokenizers.close()
+        self.upstream.streams.close()
         if self._session is not None:
             await self._session.close()
         await asyncio.to_thread(self.tracer.shutdown)  # the spans still queued
@@ -241,16 +242,15 @@ class Router:
         its Content-Length, before reading, or as it arrives: the router holds whole bodies in
         memory), with 400 when it is not JSON."""
         limit = self.config.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than {limit} bytes")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise too_large
+            raise _too_large(limit)
         body = bytearray()
         try:
             async for chunk in request.stream():
                 body += chunk
                 if len(body) > limit:
-                    raise too_large
+                    raise _too_large(limit)
         except ClientDisconnect:
             raise ClientGone() from None
         try:
@@ -540,3 +540,7 @@ class Router:
             }
             for s in self.engines
         ]
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes")

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from baton.http_server import protocol_class
 from baton.router.app import build_app
 from baton.router.config import RouterConfig
 from baton.router.discovery import Endpoint, Role, StaticDiscovery
@@ -48,9 +49,15 @@ class FakeCluster:
 class RouterServer(ThreadServer):
     """A router in a thread in front of `endpoints`."""
 
-    def __init__(self, endpoints: Sequence[Endpoint], config: RouterConfig) -> None:
+    def __init__(
+        self, endpoints: Sequence[Endpoint], config: RouterConfig, direct_writes: bool = True
+    ) -> None:
+        """`direct_writes`: served as `baton router` serves it (stream chunks written past
+        the ASGI `send`); False: by uvicorn's own protocol, every chunk through `send`."""
         self.router = Router(config)
-        super().__init__(build_app(self.router, StaticDiscovery(endpoints)), lifespan="on")
+        app = build_app(self.router, StaticDiscovery(endpoints))
+        protocol = protocol_class() if direct_writes else None
+        super().__init__(app, lifespan="on", protocol=protocol)
 
     def stop(self) -> None:
         """A graceful stop: the app's shutdown closes discovery, health checks, connections."""
@@ -74,10 +81,10 @@ class RouterServer(ThreadServer):
 
 @contextmanager
 def routed(
-    cluster: FakeCluster, config: RouterConfig = FAST, **overrides: Any
+    cluster: FakeCluster, config: RouterConfig = FAST, direct_writes: bool = True, **overrides: Any
 ) -> Iterator[RouterServer]:
     """A started router in front of `cluster`'s engines, all in rotation; stopped after."""
-    server = RouterServer(cluster.endpoints(), replace(config, **overrides))
+    server = RouterServer(cluster.endpoints(), replace(config, **overrides), direct_writes)
     server.start()
     try:
         server.wait_ready(available=len(cluster.engines))

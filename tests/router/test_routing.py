@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.router.harness import FakeCluster, routed
+from tests.support.fake_engine import token_text
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -155,6 +156,32 @@ def test_a_stream_that_breaks_ends_with_an_error_event(cluster: FakeCluster) -> 
         assert json.loads(events[0][6:])["choices"][0]["text"].startswith(" t")
         assert json.loads(events[1][6:])["error"]["code"] == 502
         assert router.metric("baton:router_upstream_errors_total", kind="stream") == 1
+
+
+@pytest.mark.parametrize("direct_writes", [True, False])
+def test_a_slow_client_gets_a_long_stream_whole(cluster: FakeCluster, direct_writes: bool) -> None:
+    """A 24 MiB stream to a client that reads nothing for a second: the router stops reading
+    the engine while the client's connection is full, then every event arrives once and in
+    order. Served as `baton router` serves (chunks written past `send`) and with every chunk
+    through `send`."""
+    engine, _ = cluster.add()
+    engine.token_padding = 8192
+    pad = " " * engine.token_padding
+    with routed(cluster, direct_writes=direct_writes) as router:
+
+        async def read_slowly() -> list[str]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                body = {"model": "fake", "prompt": "slow", "max_tokens": 3000, "stream": True}
+                async with client.stream("POST", f"{router.url}/v1/completions", json=body) as r:
+                    await asyncio.sleep(1.0)
+                    return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+        lines = asyncio.run(read_slowly())
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert len(texts) == 3000 and all(t.endswith(pad) for t in texts)
+    first = int(texts[0].split()[0][1:])  # " t<n>": the engine's tokens, each once, in order
+    assert texts == [token_text(first, i) + pad for i in range(3000)]
 
 
 def test_a_client_that_leaves_closes_the_engine_stream(cluster: FakeCluster) -> None:

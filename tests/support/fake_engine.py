@@ -95,6 +95,7 @@ class FakeEngine:
         # -- knobs --
         self.ttft = 0.0  # seconds before the first token
         self.itl = 0.0  # seconds between tokens
+        self.token_padding = 0  # spaces after each token's text (long streams in few tokens)
         self.fail_status: int | None = None  # answer generation requests with this status
         self.break_after_chunks: int | None = None  # a stream dies after this many chunks
         # A stream ends with an error event of this code after `break_after_chunks` instead
@@ -223,7 +224,8 @@ class FakeEngine:
         # A resumed stream goes on after the tokens given (token i's id is i), as an engine
         # does; usage counts the whole answer.
         start = len(body.get("resume_token_ids") or [])
-        texts = [token_text(key, i) for i in range(int(max_tokens))]
+        pad = " " * self.token_padding
+        texts = [token_text(key, i) + pad for i in range(int(max_tokens))]
         usage = {
             "prompt_tokens": len(prompt) // 4,
             "completion_tokens": len(texts),

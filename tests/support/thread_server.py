@@ -19,8 +19,14 @@ class ThreadServer:
     """uvicorn serving `app` in a thread with its own event loop."""
 
     def __init__(
-        self, app: ASGIApp, port: int | None = None, lifespan: Literal["on", "off"] = "off"
+        self,
+        app: ASGIApp,
+        port: int | None = None,
+        lifespan: Literal["on", "off"] = "off",
+        protocol: type[asyncio.Protocol] | None = None,
     ) -> None:
+        """`protocol`: uvicorn's `http=` (Baton's servers': `baton.http_server.protocol_class`),
+        else uvicorn's own."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -31,6 +37,7 @@ class ThreadServer:
             access_log=False,
             lifespan=lifespan,
             timeout_graceful_shutdown=1,
+            http=protocol or "auto",
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

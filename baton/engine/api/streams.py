@@ -16,6 +16,7 @@ from baton.engine.async_llm import AsyncLLM, EngineDeadError
 from baton.engine.outputs import RequestOutput
 from baton.engine.sampling_params import SamplingParams
 from baton.errors import APIError
+from baton.http_server import body_writer
 from baton.kv_transfer.params import KVTransferParams
 
 
@@ -121,8 +122,9 @@ class EventStream(Response):
 
     Not Starlette's StreamingResponse, which runs a task group per response and wraps every
     event on its way to the socket (as the router's `_PassThrough`, which says the same): here
-    each event is one `send`, and one watcher task per stream waits for the client's
-    disconnect and, if it comes, cancels the stream wherever it waits.
+    each event is written on the connection by the server's `body_writer` (one `send`, waiting
+    for the client to drain, where it cannot), and one watcher task per stream waits for the
+    client's disconnect and, if it comes, cancels the stream wherever it waits.
     """
 
     media_type = "text/event-stream"
@@ -150,11 +152,13 @@ class EventStream(Response):
                 pump.cancel()
 
         watcher = asyncio.ensure_future(watch())
+        write = body_writer(scope)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for event in self._events:
                 body = event.encode()
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                if write is None or not write(body):
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not gone:

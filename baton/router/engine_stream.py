@@ -1,0 +1,360 @@
+"""A streamed request to an engine, read on an asyncio protocol that hands each body piece on
+inside the read that brought it.
+
+aiohttp reads an answer into a `StreamReader` and wakes the reading task once per chunk; at 64
+streams on one core a chunk then costs the router about 100 µs, most of it in that wake-up and
+the layers around it (docs/router.md). The router's streamed requests take this path instead:
+httptools' response parser (the one uvicorn parses requests with) on a plain protocol, and a
+`sink` the protocol calls with each piece of the body as it is parsed, so that a chunk crosses
+the router from socket to socket without a task. Whole answers, probes and scrapes stay on
+aiohttp, whose pool this one does not share.
+
+`EngineStreams.open` sends the request and waits for the answer's head: a 200 event stream is
+returned with its first body bytes in (until then the engine may still be swapped for another);
+any other answer is read whole. A connection whose answer ended whole goes back to a pool of idle
+connections per engine, at most `max_connections` open at once (a request waits, within the
+request timeout, for one to free up; at the bound a connection is closed rather than pooled); a
+stream cut midway is closed. No byte from an engine for
+`request_timeout` seconds ends its stream, as aiohttp's read timeout did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
+
+import httptools
+
+# A reused connection that the engine closed while it was idle fails before any byte of the
+# answer; the request then goes once more on a new connection. Idle ones are not kept past
+# this (uvicorn closes a keep-alive connection after 5 s idle by default).
+_IDLE_SECONDS = 4.0
+_SKIPPED = frozenset(("host", "content-length", "transfer-encoding", "connection"))
+
+
+class StreamError(Exception):
+    """A request that got no usable answer: `kind` is "connect", "timeout" or "broken"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+class EngineConnection(asyncio.Protocol):
+    """One connection to an engine, one request at a time. Pieces of an answer's body are kept
+    until a `sink` is attached, then handed to it as they are parsed; `ended` (None: the answer
+    ended whole, else why not) resolves once."""
+
+    def __init__(self, streams: EngineStreams, origin: tuple[str, int, bool]) -> None:
+        self._streams = streams
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.idle_since = 0.0
+        self._loop = asyncio.get_running_loop()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.content_type = ""
+        self._framed = False  # a content-length or chunked body: its end is in the bytes
+        self._pieces: list[bytes] = []
+        self._sink: Callable[[bytes], None] | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.head_in = False
+        self.timed_out = False
+        self.is_stream = False  # a 200 event stream, returned with its first bytes in
+        self.got_bytes = False
+        self.complete = False
+        self._keep_alive = True
+        self.ended: asyncio.Future[str | None] = self._loop.create_future()
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TLS one is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        self._last_read = self._loop.time()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._end(f"the engine's answer could not be parsed: {e}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._streams.forget(self)
+        if self.head_in and not self._framed and not self.complete:
+            self.on_message_complete()  # a body that ends with its connection
+        why = f"{type(exc).__name__}: {exc}" if exc else "the engine closed the connection"
+        self._end(why)
+
+    # -- httptools' callbacks --
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-type":
+            self.content_type = value.decode("latin-1").strip()
+        elif name in (b"content-length", b"transfer-encoding"):
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        self.head_in = True
+        self.is_stream = self.status == 200 and self.content_type.startswith("text/event-stream")
+        self.wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self._sink is not None:
+            self._sink(body)
+        else:
+            self._pieces.append(body)
+            self.wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._end(None)
+
+    # -- the request's side --
+
+    def wake(self) -> None:
+        """Wakes the task in `wait_for`, to look at its condition again."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _end(self, why: str | None) -> None:
+        if not self.ended.done():
+            self.ended.set_result(why)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if why is not None and self.transport is not None:
+            self.transport.close()
+        self.wake()
+
+    def send(self, request: bytes, read_timeout: float) -> None:
+        """Writes `request`; from now on, no byte from the engine for `read_timeout` seconds
+        ends the answer (`timed_out`)."""
+        assert self.transport is not None
+        self.transport.write(request)
+        self._last_read = self._loop.time()
+
+        def check() -> None:  # re-armed only when it fires: a read just stamps its time
+            idle = self._loop.time() - self._last_read
+            if idle < read_timeout:
+                self._timer = self._loop.call_later(read_timeout - idle, check)
+                return
+            self._timer = None
+            self.timed_out = True
+            self._end(f"TimeoutError: no bytes from the engine for {read_timeout:g} s")
+
+        self._timer = self._loop.call_later(read_timeout, check)
+
+    async def wait_for(self, ready: Callable[[], bool]) -> None:
+        """Until `ready()` or the answer's end."""
+        while not ready() and not self.ended.done():
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def attach(self, sink: Callable[[bytes], None]) -> None:
+        """Hands the pieces read so far, then every later one as it comes, to `sink`."""
+        pieces, self._pieces = self._pieces, []
+        self._sink = sink
+        for piece in pieces:
+            sink(piece)
+
+    def body(self) -> bytes:
+        return b"".join(self._pieces)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        """Ends the answer where it is, and the connection with it."""
+        self._end(self.ended.result() if self.ended.done() else "closed by the router")
+        if self.transport is not None:
+            self.transport.close()
+        self._streams.forget(self)
+
+    def release(self) -> None:
+        """Back to the pool when its answer ended whole on a reusable connection, else closed."""
+        transport = self.transport
+        if self.complete and self._keep_alive and transport and not transport.is_closing():
+            self._reset()
+            self._streams.idle(self)
+            return
+        self.close()
+
+
+class EngineStreams:
+    """Every streamed request's connection to the engines: opened, pooled and bounded."""
+
+    def __init__(
+        self,
+        max_connections: int,
+        connect_timeout: float,
+        request_timeout: float,
+        ssl_context: ssl.SSLContext | bool,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        # True: the system's CAs (aiohttp's meaning), made on the first https:// engine.
+        self._ssl = ssl_context if isinstance(ssl_context, ssl.SSLContext) else None
+        self._slots = asyncio.Semaphore(max_connections)
+        self._open: set[EngineConnection] = set()  # holding a slot each
+        self._idle: dict[tuple[str, int, bool], list[EngineConnection]] = {}
+        self._origins: dict[str, tuple[str, int, bool]] = {}
+
+    async def open(
+        self, url: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> EngineConnection:
+        """`body` POSTed to `url` + `path`; the connection once its answer's head is in and,
+        for a 200 event stream, its first body bytes, else its whole body (`body()`).
+        StreamError when there is no such answer."""
+        origin = self._origin(url)
+        request = _request(origin, path, body, headers)
+        for reused in (True, False):
+            connection = self._pooled(origin) if reused else None
+            if reused and connection is None:
+                continue
+            if connection is None:
+                connection = await self._connect(origin)
+            connection.send(request, self.request_timeout)
+            try:
+                await self._head(connection)
+            except StreamError:
+                connection.close()
+                if reused and not connection.got_bytes:
+                    continue  # the engine had closed it while it was idle
+                raise
+            except BaseException:
+                connection.close()
+                raise
+            return connection
+        raise AssertionError("unreachable")
+
+    async def _head(self, connection: EngineConnection) -> None:
+        await connection.wait_for(lambda: connection.head_in)
+        if connection.is_stream:
+            await connection.wait_for(lambda: bool(connection._pieces))
+            if connection._pieces:
+                return
+        else:
+            await connection.wait_for(lambda: False)  # the whole body
+        why = connection.ended.result()
+        if why is None and not connection.is_stream:
+            return
+        if connection.timed_out:
+            raise StreamError("timeout", "timed out before the first byte")
+        raise StreamError("broken", why or "the stream ended before its first byte")
+
+    def _origin(self, url: str) -> tuple[str, int, bool]:
+        origin = self._origins.get(url)
+        if origin is None:
+            parts = urlsplit(url)
+            tls = parts.scheme == "https"
+            origin = (parts.hostname or "", parts.port or (443 if tls else 80), tls)
+            self._origins[url] = origin
+        return origin
+
+    def _pooled(self, origin: tuple[str, int, bool]) -> EngineConnection | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            connection = idle.pop()
+            transport = connection.transport
+            fresh = now - connection.idle_since < _IDLE_SECONDS
+            if fresh and transport is not None and not transport.is_closing():
+                return connection
+            connection.close()
+        return None
+
+    async def _connect(self, origin: tuple[str, int, bool]) -> EngineConnection:
+        host, port, tls = origin
+        if self._slots.locked():  # an idle connection to another engine gives its slot up
+            oldest = min((c for idle in self._idle.values() for c in idle),
+                         key=lambda c: c.idle_since, default=None)  # fmt: skip
+            if oldest is not None:
+                oldest.close()
+        try:
+            if self._slots.locked():
+                async with asyncio.timeout(self.request_timeout):
+                    await self._slots.acquire()
+            else:
+                await self._slots.acquire()  # at once
+        except TimeoutError:
+            raise StreamError("timeout", "timed out waiting for a free connection") from None
+        loop = asyncio.get_running_loop()
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, connection = await loop.create_connection(
+                    lambda: EngineConnection(self, origin),
+                    host,
+                    port,
+                    ssl=self._ssl if tls else None,
+                )
+        except TimeoutError:
+            self._slots.release()
+            raise StreamError("timeout", "timed out connecting") from None
+        except OSError as e:
+            self._slots.release()
+            raise StreamError("connect", f"{type(e).__name__}: {e}") from None
+        except BaseException:
+            self._slots.release()
+            raise
+        self._open.add(connection)
+        return connection
+
+    def idle(self, connection: EngineConnection) -> None:
+        if self._slots.locked():  # at the bound, a request may wait for the slot it holds
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        self._idle.setdefault(connection.origin, []).append(connection)
+
+    def forget(self, connection: EngineConnection) -> None:
+        """A closed connection gives its slot back (once)."""
+        if connection in self._open:
+            self._open.discard(connection)
+            self._slots.release()
+            idle = self._idle.get(connection.origin)
+            if idle and connection in idle:
+                idle.remove(connection)
+
+    def close(self) -> None:
+        for connection in list(self._open):
+            connection.close()
+
+
+def _request(
+    origin: tuple[str, int, bool], path: str, body: bytes, headers: Mapping[str, str]
+) -> bytes:
+    host, port, _ = origin
+    lines = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {len(body)}"]
+    for name, value in headers.items():
+        if name.lower() in _SKIPPED:
+            continue
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}")
+    if not any(name.lower() == "content-type" for name in headers):
+        lines.append("content-type: application/json")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
