@@ -210,6 +210,7 @@ def _write_body(cycle: RequestResponseCycle, chunk: bytes) -> bool:
         or not cycle.chunked_encoding
         or cycle.flow.write_paused
         or cycle.disconnected
+        or cycle.transport.is_closing()
     ):
         return False
     if chunk:  # an empty chunk would end the body

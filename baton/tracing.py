@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from baton.logs import REQUEST_ID
 
 if TYPE_CHECKING:
+    from fastapi.telemetry import TelemetryConfig
     from opentelemetry.trace import Span
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -81,6 +82,12 @@ def add_tracing_args(parser: argparse.ArgumentParser) -> None:
         help="send OpenTelemetry spans over OTLP/HTTP (protobuf) to this collector, e.g. "
         "http://collector:4318/v1/traces (vLLM's flag; needs baton[tracing]; default: none)",
     )
+
+
+# FastAPI's own OpenTelemetry (`FastAPI(telemetry=...)`), off in Baton's apps: `RequestTracing`
+# makes their spans, and FastAPI's would be a second span per request once a tracer provider is
+# set, after a look-up of the global providers on every request to learn whether one is.
+NO_NATIVE_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
 def new_request_id() -> str:

@@ -21,6 +21,7 @@ stream cut midway is closed. No byte from an engine for
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +33,7 @@ import httptools
 # answer; the request then goes once more on a new connection. Idle ones are not kept past
 # this (uvicorn closes a keep-alive connection after 5 s idle by default).
 _IDLE_SECONDS = 4.0
+logger = logging.getLogger(__name__)
 _SKIPPED = frozenset(("host", "content-length", "transfer-encoding", "connection"))
 
 
@@ -65,8 +67,11 @@ class EngineConnection(asyncio.Protocol):
         self._pieces: list[bytes] = []
         self._sink: Callable[[bytes], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.busy = False  # a request was sent and its answer has not ended
         self.head_in = False
         self.timed_out = False
+        self.fault: Exception | None = None  # the router's own failure on a piece (its sink)
+        self._paused = False
         self.is_stream = False  # a 200 event stream, returned with its first bytes in
         self.got_bytes = False
         self.complete = False
@@ -81,6 +86,9 @@ class EngineConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's TLS one is no subclass
 
     def data_received(self, data: bytes) -> None:
+        if not self.busy:  # bytes on an idle connection answer nothing we asked: not reusable
+            self.close()
+            return
         self.got_bytes = True
         self._last_read = self._loop.time()
         try:
@@ -112,15 +120,28 @@ class EngineConnection(asyncio.Protocol):
         self.wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.ended.done():
+            return  # the rest of a read after the answer was cut (an error event, a fault)
         if self._sink is not None:
-            self._sink(body)
+            self._deliver(body)
         else:
             self._pieces.append(body)
             self.wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
+        self.busy = False
         self._end(None)
+
+    def _deliver(self, piece: bytes) -> None:
+        if self._sink is None or self.fault is not None:
+            return
+        try:
+            self._sink(piece)
+        except Exception as e:  # the router's fault, not the engine's: said apart
+            logger.exception("relaying a piece of an engine's answer failed")
+            self.fault = e
+            self._end(f"the router failed: {type(e).__name__}: {e}")
 
     # -- the request's side --
 
@@ -144,12 +165,13 @@ class EngineConnection(asyncio.Protocol):
         """Writes `request`; from now on, no byte from the engine for `read_timeout` seconds
         ends the answer (`timed_out`)."""
         assert self.transport is not None
+        self.busy = True
         self.transport.write(request)
         self._last_read = self._loop.time()
 
         def check() -> None:  # re-armed only when it fires: a read just stamps its time
             idle = self._loop.time() - self._last_read
-            if idle < read_timeout:
+            if idle < read_timeout or self._paused:  # paused: the engine is not the one late
                 self._timer = self._loop.call_later(read_timeout - idle, check)
                 return
             self._timer = None
@@ -172,17 +194,21 @@ class EngineConnection(asyncio.Protocol):
         pieces, self._pieces = self._pieces, []
         self._sink = sink
         for piece in pieces:
-            sink(piece)
+            self._deliver(piece)
 
     def body(self) -> bytes:
         return b"".join(self._pieces)
 
     def pause_reading(self) -> None:
+        """Stops reading (the client is behind); the read timeout waits with it."""
         if self.transport is not None and not self.transport.is_closing():
+            self._paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
+        if self._paused and self.transport is not None and not self.transport.is_closing():
+            self._paused = False
+            self._last_read = self._loop.time()
             self.transport.resume_reading()
 
     def close(self) -> None:
@@ -219,7 +245,7 @@ class EngineStreams:
         self._slots = asyncio.Semaphore(max_connections)
         self._open: set[EngineConnection] = set()  # holding a slot each
         self._idle: dict[tuple[str, int, bool], list[EngineConnection]] = {}
-        self._origins: dict[str, tuple[str, int, bool]] = {}
+        self._origins: dict[str, tuple[tuple[str, int, bool], str]] = {}
 
     async def open(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
@@ -227,8 +253,8 @@ class EngineStreams:
         """`body` POSTed to `url` + `path`; the connection once its answer's head is in and,
         for a 200 event stream, its first body bytes, else its whole body (`body()`).
         StreamError when there is no such answer."""
-        origin = self._origin(url)
-        request = _request(origin, path, body, headers)
+        origin, prefix = self._origin(url)
+        request = _request(origin, prefix + path, body, headers)
         for reused in (True, False):
             connection = self._pooled(origin) if reused else None
             if reused and connection is None:
@@ -240,7 +266,7 @@ class EngineStreams:
                 await self._head(connection)
             except StreamError:
                 connection.close()
-                if reused and not connection.got_bytes:
+                if reused and not connection.got_bytes and not connection.timed_out:
                     continue  # the engine had closed it while it was idle
                 raise
             except BaseException:
@@ -264,14 +290,15 @@ class EngineStreams:
             raise StreamError("timeout", "timed out before the first byte")
         raise StreamError("broken", why or "the stream ended before its first byte")
 
-    def _origin(self, url: str) -> tuple[str, int, bool]:
-        origin = self._origins.get(url)
-        if origin is None:
+    def _origin(self, url: str) -> tuple[tuple[str, int, bool], str]:
+        """Where `url`'s connections go (pooled by it), and its path, which routes extend."""
+        known = self._origins.get(url)
+        if known is None:
             parts = urlsplit(url)
             tls = parts.scheme == "https"
             origin = (parts.hostname or "", parts.port or (443 if tls else 80), tls)
-            self._origins[url] = origin
-        return origin
+            known = self._origins[url] = (origin, parts.path.rstrip("/"))
+        return known
 
     def _pooled(self, origin: tuple[str, int, bool]) -> EngineConnection | None:
         idle = self._idle.get(origin)
@@ -348,6 +375,8 @@ def _request(
     origin: tuple[str, int, bool], path: str, body: bytes, headers: Mapping[str, str]
 ) -> bytes:
     host, port, _ = origin
+    if ":" in host:
+        host = f"[{host}]"  # an IPv6 address, as a URL writes it
     lines = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {len(body)}"]
     for name, value in headers.items():
         if name.lower() in _SKIPPED:

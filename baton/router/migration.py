@@ -60,6 +60,8 @@ class StreamLog:
     def feed(self, piece: bytes) -> bytes:
         """The complete events of `piece` (and what came before it) as the client gets them;
         nothing more once an error event came."""
+        if self.error is not None:
+            return b""
         data = self._partial + piece if self._partial else piece
         end = data.rfind(b"\n\n")
         if end < 0:
@@ -125,6 +127,7 @@ class StreamLog:
         """For the next engine's stream: the last one's unfinished event and error are gone."""
         self._partial = b""
         self.error = None
+        self.done = False
 
     def token_ids(self) -> list[int]:
         """Every token id the client has been sent, in order."""

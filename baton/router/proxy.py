@@ -274,7 +274,10 @@ class _PassThrough(Response):
                     "headers": self.raw_headers})  # fmt: skip
         end = b""
         while (why := await self._relay(send)) is not None and not self._client_gone:
-            engine = self._answer.engine
+            engine, connection = self._answer.engine, self._answer.stream
+            if connection is not None and connection.fault is not None:  # ours: logged there
+                end = APIError(500, f"the router failed to relay the stream: {why}").sse() + _DONE
+                break
             logger.warning("stream from %s broke: %s", engine.url, why)
             self._upstream.health.on_failure(engine, "stream")
             log, migrator = self._log, self._migrator

@@ -188,6 +188,75 @@ async def test_an_engine_that_stops_sending_times_out() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_reused_connection_that_times_out_is_not_sent_again() -> None:
+    """A request on a pooled connection that gets no byte within the timeout fails as a
+    timeout; it is not sent a second time (the engine may be computing it)."""
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        if nth > 0:
+            await asyncio.sleep(10)
+        await _stream(writer)
+        return True
+
+    async with _engine(answer) as (url, requests):
+        streams = _streams(timeout=0.3)
+        await _whole_streams(streams, url, 1)
+        with pytest.raises(StreamError) as timed_out:
+            await streams.open(url, "/v1/completions", b"{}", {})
+        assert timed_out.value.kind == "timeout"
+        assert requests.count(b"connect") == 1 and len(requests) == 3
+        streams.close()
+
+
+@pytest.mark.asyncio
+async def test_a_paused_connection_waits_without_timing_out() -> None:
+    """While the router does not read (its client is behind), the read timeout waits too:
+    the answer ends whole after a pause three times the timeout."""
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        await _stream(writer, pause=0.05)
+        return True
+
+    async with _engine(answer) as (url, _):
+        streams = _streams(timeout=0.3)
+        connection = await streams.open(url, "/v1/completions", b"{}", {})
+        pieces: list[bytes] = []
+        connection.attach(pieces.append)
+        connection.pause_reading()
+        await asyncio.sleep(1.0)
+        assert not connection.ended.done()
+        connection.resume_reading()
+        assert await asyncio.wait_for(connection.ended, 5) is None
+        assert b"".join(pieces) == b"".join(EVENTS)
+        connection.release()
+        streams.close()
+
+
+@pytest.mark.asyncio
+async def test_a_failing_sink_is_the_routers_fault_and_a_url_path_is_kept() -> None:
+    """An exception in the sink ends the answer as the router's fault (`fault`, logged), not
+    as a parse error of the engine's; a path in the engine's URL prefixes the route."""
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        await _stream(writer, pause=0.02)
+        return True
+
+    def sink(piece: bytes) -> None:
+        raise ValueError("a bug")
+
+    async with _engine(answer) as (url, requests):
+        streams = _streams()
+        connection = await streams.open(url + "/prefix", "/v1/completions", b"{}", {})
+        assert requests[1].startswith(b"POST /prefix/v1/completions HTTP/1.1\r\n")
+        connection.attach(sink)
+        why = await asyncio.wait_for(connection.ended, 5)
+        assert isinstance(connection.fault, ValueError)
+        assert why is not None and why.startswith("the router failed: ValueError")
+        connection.release()
+        streams.close()
+
+
+@pytest.mark.asyncio
 async def test_connections_are_bounded() -> None:
     """With one connection allowed, a second request waits until the first stream's
     connection is closed (not pooled: a request waits for its slot), then opens its own."""

@@ -173,3 +173,8 @@ def test_the_stream_log_reads_compact_events_split_anywhere() -> None:
     log = StreamLog(strip_token_ids=False)
     assert log.feed(error + b"data: [DONE]\n\n") == b""
     assert log.error == "going away" and not log.done
+    later = b'data: {"id":"c","choices":[{"index":0,"text":"z","token_ids":[11]}]}\n\n'
+    assert log.feed(later + b"data: [DONE]\n\n") == b""  # read after the error: dropped
+    assert log.token_ids() == [] and not log.done
+    log.restart()
+    assert log.feed(later) == later and log.token_ids() == [11] and log.error is None

@@ -13,7 +13,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from starlette.testclient import TestClient
 
+from baton.router.app import build_app
+from baton.router.config import RouterConfig
+from baton.router.router import Router
 from tests.router.harness import FakeCluster, routed
 from tests.support.fake_engine import token_text
 
@@ -182,6 +186,17 @@ def test_a_slow_client_gets_a_long_stream_whole(cluster: FakeCluster, direct_wri
     assert len(texts) == 3000 and all(t.endswith(pad) for t in texts)
     first = int(texts[0].split()[0][1:])  # " t<n>": the engine's tokens, each once, in order
     assert texts == [token_text(first, i) + pad for i in range(3000)]
+
+
+def test_an_unknown_path_or_method_is_an_openai_error() -> None:
+    """No route for the path is a 404, none for the method a 405 with `Allow`, both in
+    OpenAI's error shape, as every other error of the router."""
+    with TestClient(build_app(Router(RouterConfig()))) as client:
+        missing = client.post("/v1/nothing", json={})
+        wrong = client.get("/v1/completions")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert "POST" in wrong.headers["allow"]
 
 
 def test_a_client_that_leaves_closes_the_engine_stream(cluster: FakeCluster) -> None:

@@ -45,7 +45,7 @@ from baton.http_server import (
     freeze_startup_heap,
     run,
 )
-from baton.tracing import RequestTracing, check_endpoint
+from baton.tracing import NO_NATIVE_TELEMETRY, RequestTracing, check_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         log_stats=not config.disable_log_stats,
         otlp_traces_endpoint=config.otlp_traces_endpoint,
     )
-    app = FastAPI(title="Baton engine", description="OpenAI-compatible API (vLLM's shapes)")
+    app = FastAPI(
+        title="Baton engine",
+        description="OpenAI-compatible API (vLLM's shapes)",
+        telemetry=NO_NATIVE_TELEMETRY,
+    )
     app.state.server = server
 
     @app.exception_handler(APIError)
