@@ -85,8 +85,9 @@ def add_tracing_args(parser: argparse.ArgumentParser) -> None:
 
 
 # FastAPI's own OpenTelemetry (`FastAPI(telemetry=...)`), off in Baton's apps: `RequestTracing`
-# makes their spans, and FastAPI's would be a second span per request once a tracer provider is
-# set, after a look-up of the global providers on every request to learn whether one is.
+# makes their spans (on a provider of its own, not the global one), FastAPI looks the global
+# providers up on every request to learn whether to run, and where something sets a global one
+# (`opentelemetry-instrument`, FASTAPI_OTEL_AUTO_CONFIGURE) it adds a span and metrics per request.
 NO_NATIVE_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
