@@ -14,8 +14,8 @@ returned with its first body bytes in (until then the engine may still be swappe
 any other answer is read whole. A connection whose answer ended whole goes back to a pool of idle
 connections per engine, at most `max_connections` open at once (a request waits, within the
 request timeout, for one to free up; at the bound a connection is closed rather than pooled); a
-stream cut midway is closed. No byte from an engine for
-`request_timeout` seconds ends its stream, as aiohttp's read timeout did.
+stream cut midway is closed. No byte from an engine for `request_timeout` seconds ends its
+answer, as aiohttp's read timeout did (not while the router itself has paused reading).
 """
 
 from __future__ import annotations
@@ -213,9 +213,7 @@ class EngineConnection(asyncio.Protocol):
 
     def close(self) -> None:
         """Ends the answer where it is, and the connection with it."""
-        self._end(self.ended.result() if self.ended.done() else "closed by the router")
-        if self.transport is not None:
-            self.transport.close()
+        self._end("closed by the router")  # closes the transport; a set `ended` stays as it is
         self._streams.forget(self)
 
     def release(self) -> None:
