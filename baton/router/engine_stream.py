@@ -1,21 +1,24 @@
-"""A streamed request to an engine, read on an asyncio protocol that hands each body piece on
-inside the read that brought it.
+"""The router's requests to the engines, read on an asyncio protocol that hands an event
+stream's body on inside the read that brought it.
 
 aiohttp reads an answer into a `StreamReader` and wakes the reading task once per chunk; at 64
 streams on one core a chunk then costs the router about 100 µs, most of it in that wake-up and
-the layers around it (docs/router.md). The router's streamed requests take this path instead:
-httptools' response parser (the one uvicorn parses requests with) on a plain protocol, and a
-`sink` the protocol calls with each piece of the body as it is parsed, so that a chunk crosses
-the router from socket to socket without a task. Whole answers, probes and scrapes stay on
-aiohttp, whose pool this one does not share.
+the layers around it (docs/router.md). The router's requests take this path instead: httptools'
+response parser (the one uvicorn parses requests with) on a plain protocol, and a `sink` the
+protocol calls with what each read brought of a stream's body, so that a chunk crosses the
+router from socket to socket without a task (and the events of one read, when the router is
+behind, in one write). Whole answers take it too (aiohttp's client cost a whole completion
+0.15-0.25 ms more of the router's CPU, docs/router.md); the health probes, scrapes and the
+tokenizer's fetch stay on aiohttp, whose pool this one does not share.
 
-`EngineStreams.open` sends the request and waits for the answer's head: a 200 event stream is
-returned with its first body bytes in (until then the engine may still be swapped for another);
-any other answer is read whole. A connection whose answer ended whole goes back to a pool of idle
-connections per engine, at most `max_connections` open at once (a request waits, within the
-request timeout, for one to free up; at the bound a connection is closed rather than pooled); a
-stream cut midway is closed. No byte from an engine for `request_timeout` seconds ends its
-answer, as aiohttp's read timeout did (not while the router itself has paused reading).
+`EngineStreams.open` sends the request and waits for the answer's head: a 200 event stream to a
+streamed request is returned with its first body bytes in (until then the engine may still be
+swapped for another); any other answer is read whole. A connection whose answer ended whole
+goes back to a pool of idle connections per engine, at most `max_connections` open at once (a
+request waits, within the request timeout, for one to free up; at the bound a connection is
+closed rather than pooled); a stream cut midway is closed. No byte from an engine for
+`request_timeout` seconds ends its answer, as aiohttp's read timeout did (not while the router
+itself has paused reading).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class StreamError(Exception):
 
 class EngineConnection(asyncio.Protocol):
     """One connection to an engine, one request at a time. Pieces of an answer's body are kept
-    until a `sink` is attached, then handed to it as they are parsed; `ended` (None: the answer
+    until a `sink` is attached, then handed to it a read at a time; `ended` (None: the answer
     ended whole, else why not) resolves once."""
 
     def __init__(self, streams: EngineStreams, origin: tuple[str, int, bool]) -> None:
@@ -64,7 +67,8 @@ class EngineConnection(asyncio.Protocol):
         self.status = 0
         self.content_type = ""
         self._framed = False  # a content-length or chunked body: its end is in the bytes
-        self._pieces: list[bytes] = []
+        self._pieces: list[bytes] = []  # the body's pieces before a sink is attached
+        self._batch: list[bytes] = []  # this read's pieces for the sink
         self._sink: Callable[[bytes], None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self.busy = False  # a request was sent and its answer has not ended
@@ -72,6 +76,7 @@ class EngineConnection(asyncio.Protocol):
         self.timed_out = False
         self.fault: Exception | None = None  # the router's own failure on a piece (its sink)
         self._paused = False
+        self.wants_stream = True  # the request streams: a 200 event stream is not read whole
         self.is_stream = False  # a 200 event stream, returned with its first bytes in
         self.got_bytes = False
         self.complete = False
@@ -91,10 +96,14 @@ class EngineConnection(asyncio.Protocol):
             return
         self.got_bytes = True
         self._last_read = self._loop.time()
+        self._batch = []
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
+            self._flush()
             self._end(f"the engine's answer could not be parsed: {e}")
+        else:
+            self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._streams.forget(self)
@@ -116,14 +125,18 @@ class EngineConnection(asyncio.Protocol):
         self.status = self._parser.get_status_code()
         self._keep_alive = self._parser.should_keep_alive()
         self.head_in = True
-        self.is_stream = self.status == 200 and self.content_type.startswith("text/event-stream")
+        self.is_stream = (
+            self.wants_stream
+            and self.status == 200
+            and self.content_type.startswith("text/event-stream")
+        )
         self.wake()
 
     def on_body(self, body: bytes) -> None:
         if self.ended.done():
             return  # the rest of a read after the answer was cut (an error event, a fault)
         if self._sink is not None:
-            self._deliver(body)
+            self._batch.append(body)  # handed on at the read's end, with the read's other pieces
         else:
             self._pieces.append(body)
             self.wake()
@@ -132,6 +145,13 @@ class EngineConnection(asyncio.Protocol):
         self.complete = True
         self.busy = False
         self._end(None)
+
+    def _flush(self) -> None:
+        """Hands the sink what this read brought, as one piece: a router that fell behind its
+        engines finds several events in a read and sends them on in one write, not one each."""
+        batch, self._batch = self._batch, []
+        if batch:
+            self._deliver(batch[0] if len(batch) == 1 else b"".join(batch))
 
     def _deliver(self, piece: bytes) -> None:
         if self._sink is None or self.fault is not None:
@@ -161,11 +181,13 @@ class EngineConnection(asyncio.Protocol):
             self.transport.close()
         self.wake()
 
-    def send(self, request: bytes, read_timeout: float) -> None:
-        """Writes `request`; from now on, no byte from the engine for `read_timeout` seconds
-        ends the answer (`timed_out`)."""
+    def send(self, request: bytes, read_timeout: float, stream: bool) -> None:
+        """Writes `request` (`stream`: its answer may be an event stream, passed on as it comes);
+        from now on, no byte from the engine for `read_timeout` seconds ends the answer
+        (`timed_out`)."""
         assert self.transport is not None
         self.busy = True
+        self.wants_stream = stream
         self.transport.write(request)
         self._last_read = self._loop.time()
 
@@ -190,11 +212,11 @@ class EngineConnection(asyncio.Protocol):
                 self._waiter = None
 
     def attach(self, sink: Callable[[bytes], None]) -> None:
-        """Hands the pieces read so far, then every later one as it comes, to `sink`."""
+        """Hands the body read so far, then each later read's, to `sink`."""
         pieces, self._pieces = self._pieces, []
         self._sink = sink
-        for piece in pieces:
-            self._deliver(piece)
+        if pieces:
+            self._deliver(b"".join(pieces))
 
     def body(self) -> bytes:
         return b"".join(self._pieces)
@@ -227,7 +249,7 @@ class EngineConnection(asyncio.Protocol):
 
 
 class EngineStreams:
-    """Every streamed request's connection to the engines: opened, pooled and bounded."""
+    """Every proxied request's connection to the engines: opened, pooled and bounded."""
 
     def __init__(
         self,
@@ -246,11 +268,11 @@ class EngineStreams:
         self._origins: dict[str, tuple[tuple[str, int, bool], str]] = {}
 
     async def open(
-        self, url: str, path: str, body: bytes, headers: Mapping[str, str]
+        self, url: str, path: str, body: bytes, headers: Mapping[str, str], *, stream: bool
     ) -> EngineConnection:
         """`body` POSTed to `url` + `path`; the connection once its answer's head is in and,
-        for a 200 event stream, its first body bytes, else its whole body (`body()`).
-        StreamError when there is no such answer."""
+        for a 200 event stream to a `stream` request, its first body bytes, else its whole body
+        (`body()`). StreamError when there is no such answer."""
         origin, prefix = self._origin(url)
         request = _request(origin, prefix + path, body, headers)
         for reused in (True, False):
@@ -259,7 +281,7 @@ class EngineStreams:
                 continue
             if connection is None:
                 connection = await self._connect(origin)
-            connection.send(request, self.request_timeout)
+            connection.send(request, self.request_timeout, stream)
             try:
                 await self._head(connection)
             except StreamError:

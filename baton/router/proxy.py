@@ -7,12 +7,12 @@ backpressure, not failure: the next engine is tried and, if every engine tried a
 so does the router. Any other answer (2xx, 4xx, 500) goes to the client as it is.
 
 Once an answer's first bytes are in, the engine is committed: a stream is passed through chunk
-by chunk as it arrives, never buffered (streams go over `engine_stream`'s connections, from
-socket to socket without a task per chunk; whole answers over aiohttp's pool). A stream that
-breaks later (its connection, an error event, no `data: [DONE]`) migrates to another engine
-when it can (`migration`); otherwise it ends with an error event and `data: [DONE]` rather than
-a hang. A whole answer reaches the client without the engine's `kv_transfer_params` (where an
-engine's KV blocks wait is the router's business alone).
+by chunk as it arrives, never buffered (over `engine_stream`'s connections, from socket to
+socket without a task per chunk; whole answers come over them too). A stream that breaks later
+(its connection, an error event, no `data: [DONE]`) migrates to another engine when it can
+(`migration`); otherwise it ends with an error event and `data: [DONE]` rather than a hang. A
+whole answer reaches the client without the engine's `kv_transfer_params` (where an engine's KV
+blocks wait is the router's business alone).
 
 Every attempt carries the engines' key and TLS settings (`UpstreamAuth`), whatever headers
 its caller passed: the client's `Authorization` never reaches an engine.
@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -78,12 +77,10 @@ class Upstream:
 
     def __init__(
         self,
-        session: Callable[[], aiohttp.ClientSession],
         health: HealthMonitor,
         metrics: RouterMetrics,
         config: RouterConfig,
     ) -> None:
-        self.session = session
         self.health = health
         self.metrics = metrics
         self.max_retries = config.max_retries
@@ -150,52 +147,20 @@ class Upstream:
         headers: Mapping[str, str],
         stream: bool,
     ) -> Answer:
-        if stream:
-            try:
-                connection = await self.streams.open(
-                    engine.url, route, content, self.auth.apply(headers)
-                )
-            except StreamError as e:
-                raise _Failed(e.kind, e.message) from None
-            status, content_type = connection.status, connection.content_type
-            if connection.is_stream:
-                return Answer(engine, status, content_type, stream=connection)
-            body = connection.body()
-            connection.release()
-        else:
-            status, content_type, body = await self._post(engine, route, content, headers)
+        try:
+            connection = await self.streams.open(
+                engine.url, route, content, self.auth.apply(headers), stream=stream
+            )
+        except StreamError as e:
+            raise _Failed(e.kind, e.message) from None
+        status, content_type = connection.status, connection.content_type
+        if connection.is_stream:
+            return Answer(engine, status, content_type, stream=connection)
+        body = connection.body()
+        connection.release()
         if status in _RETRYABLE:
             raise _Failed(f"status_{status}", f"answered {status}: {error_message(body)}")
         return Answer(engine, status, content_type or "application/json", body)
-
-    async def _post(
-        self, engine: EngineState, route: str, content: bytes, headers: Mapping[str, str]
-    ) -> tuple[int, str, bytes]:
-        """A whole answer through aiohttp's pool: status, content type and body."""
-        try:
-            response = await self.session().post(
-                engine.url + route,
-                data=content,
-                headers=self.auth.apply(headers),
-                ssl=self.auth.ssl,
-            )
-        except TimeoutError as e:
-            raise _Failed("timeout", f"timed out ({type(e).__name__})") from None
-        except aiohttp.ClientError as e:
-            raise _Failed("connect", f"{type(e).__name__}: {e}") from None
-        try:
-            body = await response.read()
-        except TimeoutError:
-            response.close()
-            raise _Failed("timeout", "timed out before the first byte") from None
-        except aiohttp.ClientError as e:
-            response.close()
-            raise _Failed("broken", f"{type(e).__name__}: {e}") from None
-        except BaseException:
-            response.close()
-            raise
-        response.release()
-        return response.status, response.headers.get("content-type", ""), body
 
     def response(
         self,

@@ -140,7 +140,7 @@ class Router:
             lambda s: self.view.forget(s.url),
             self.on_health,
         )
-        self.upstream = Upstream(self.session, self.health, self.metrics, config)
+        self.upstream = Upstream(self.health, self.metrics, config)
         weight = config.prefix_load_weight
         self.prefill_policy = make_policy(config.prefill_policy, self.view, weight)
         self.decode_policy = make_policy(config.decode_policy, self.view, weight)
@@ -153,7 +153,8 @@ class Router:
     # -- lifecycle --
 
     def session(self) -> aiohttp.ClientSession:
-        """The one connection pool to every engine, made on first use (on the router's loop)."""
+        """The health probes', scrapes' and tokenizer fetches' connection pool to the engines,
+        made on first use (on the router's loop); requests go over `upstream.streams`."""
         if self._session is None:
             config = self.config
             self._session = aiohttp.ClientSession(

@@ -80,7 +80,9 @@ def _streams(max_connections: int = 8, timeout: float = 5.0) -> EngineStreams:
 
 
 async def _collect(streams: EngineStreams, url: str) -> tuple[list[bytes], str | None]:
-    connection = await streams.open(url, "/v1/completions", b"{}", {"x-request-id": "r1"})
+    connection = await streams.open(
+        url, "/v1/completions", b"{}", {"x-request-id": "r1"}, stream=True
+    )
     assert connection.is_stream and connection.status == 200
     pieces: list[bytes] = []
     connection.attach(pieces.append)
@@ -115,6 +117,37 @@ async def test_pieces_reach_the_sink_in_order_and_the_connection_is_reused() -> 
 
 
 @pytest.mark.asyncio
+async def test_the_events_of_one_read_reach_the_sink_as_one_piece() -> None:
+    """An engine that got ahead of the router: the events one read brought go to the sink in
+    one call (one write to the client), whole and in order; what came before `attach` too."""
+    sent = asyncio.Event()
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        writer.write(SSE_HEAD + _chunk(EVENTS[0]) + _chunk(EVENTS[1]))  # one write
+        await writer.drain()
+        await sent.wait()  # until the router has handed those on
+        writer.write(b"".join(_chunk(e) for e in EVENTS[2:]) + b"0\r\n\r\n")  # one write
+        await writer.drain()
+        return True
+
+    async with _engine(answer) as (url, _):
+        streams = _streams()
+        connection = await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
+        pieces: list[bytes] = []
+
+        def sink(piece: bytes) -> None:
+            pieces.append(piece)
+            sent.set()
+
+        connection.attach(sink)
+        assert pieces == [EVENTS[0] + EVENTS[1]]
+        assert await asyncio.wait_for(connection.ended, 5) is None
+        assert pieces == [EVENTS[0] + EVENTS[1], EVENTS[2] + EVENTS[3]]
+        connection.release()
+        streams.close()
+
+
+@pytest.mark.asyncio
 async def test_a_whole_answer_is_read_whole() -> None:
     """Any answer but a 200 event stream comes back whole, with its status and type."""
     body = b'{"error":{"message":"no","code":400}}'
@@ -129,10 +162,30 @@ async def test_a_whole_answer_is_read_whole() -> None:
 
     async with _engine(answer) as (url, _):
         streams = _streams()
-        connection = await streams.open(url, "/v1/completions", b"{}", {})
+        connection = await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
         assert (connection.status, connection.is_stream) == (400, False)
         assert connection.content_type == "application/json" and connection.body() == body
         connection.release()
+        streams.close()
+
+
+@pytest.mark.asyncio
+async def test_an_event_stream_to_a_request_that_does_not_stream_is_read_whole() -> None:
+    """A whole answer is what a request that did not stream gets, whatever the engine sent; the
+    connection is pooled after it."""
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        await _stream(writer, pause=0.01)
+        return True
+
+    async with _engine(answer) as (url, requests):
+        streams = _streams()
+        for _ in range(2):
+            connection = await streams.open(url, "/v1/completions", b"{}", {}, stream=False)
+            assert (connection.status, connection.is_stream) == (200, False)
+            assert connection.ended.result() is None and connection.body() == b"".join(EVENTS)
+            connection.release()
+        assert requests.count(b"connect") == 1
         streams.close()
 
 
@@ -168,7 +221,7 @@ async def test_an_engine_that_stops_sending_times_out() -> None:
     async with _engine(silent) as (url, _):
         streams = _streams(timeout=0.3)
         with pytest.raises(StreamError) as timed_out:
-            await streams.open(url, "/v1/completions", b"{}", {})
+            await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
         assert timed_out.value.kind == "timeout"
         streams.close()
 
@@ -202,7 +255,7 @@ async def test_a_reused_connection_that_times_out_is_not_sent_again() -> None:
         streams = _streams(timeout=0.3)
         await _whole_streams(streams, url, 1)
         with pytest.raises(StreamError) as timed_out:
-            await streams.open(url, "/v1/completions", b"{}", {})
+            await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
         assert timed_out.value.kind == "timeout"
         assert requests.count(b"connect") == 1 and len(requests) == 3
         streams.close()
@@ -219,7 +272,7 @@ async def test_a_paused_connection_waits_without_timing_out() -> None:
 
     async with _engine(answer) as (url, _):
         streams = _streams(timeout=0.3)
-        connection = await streams.open(url, "/v1/completions", b"{}", {})
+        connection = await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
         pieces: list[bytes] = []
         connection.attach(pieces.append)
         connection.pause_reading()
@@ -246,7 +299,7 @@ async def test_a_failing_sink_is_the_routers_fault_and_a_url_path_is_kept() -> N
 
     async with _engine(answer) as (url, requests):
         streams = _streams()
-        connection = await streams.open(url + "/prefix", "/v1/completions", b"{}", {})
+        connection = await streams.open(url + "/prefix", "/v1/completions", b"{}", {}, stream=True)
         assert requests[1].startswith(b"POST /prefix/v1/completions HTTP/1.1\r\n")
         connection.attach(sink)
         why = await asyncio.wait_for(connection.ended, 5)
@@ -267,8 +320,8 @@ async def test_connections_are_bounded() -> None:
 
     async with _engine(answer) as (url, requests):
         streams = _streams(max_connections=1)
-        first = await streams.open(url, "/v1/completions", b"{}", {})
-        second = asyncio.ensure_future(streams.open(url, "/v1/completions", b"{}", {}))
+        first = await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
+        second = asyncio.ensure_future(streams.open(url, "/v1/completions", b"{}", {}, stream=True))
         await asyncio.sleep(0.2)
         assert not second.done()
         first.attach(lambda piece: None)
@@ -286,8 +339,12 @@ async def test_refusals_are_explicit() -> None:
     would start a header of its own) is refused before anything is sent."""
     streams = _streams()
     with pytest.raises(StreamError) as refused:
-        await streams.open(f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", {})
+        await streams.open(
+            f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", {}, stream=True
+        )
     assert refused.value.kind == "connect"
     with pytest.raises(ValueError, match="line break"):
-        await streams.open("http://127.0.0.1:1", "/x", b"", {"x-request-id": "a\r\nhost: b"})
+        await streams.open(
+            "http://127.0.0.1:1", "/x", b"", {"x-request-id": "a\r\nhost: b"}, stream=True
+        )
     streams.close()
