@@ -57,7 +57,9 @@ class RouterConfig:
     max_retries: int = 2  # further engines tried when one fails before the first byte
     request_timeout: float = 600.0  # longest wait for an engine's next bytes
     connect_timeout: float = 2.0
-    max_connections: int = 1024  # upstream connections, all engines together
+    # Connections to the engines for requests, all engines together; the health probes, scrapes
+    # and tokenizer fetches have a pool of their own of the same bound.
+    max_connections: int = 1024
     max_body_bytes: int = 10 << 20  # a larger request body gets 413 before it is read
     # Times one stream may move to another engine when its engine fails mid-stream (NVIDIA
     # Dynamo's --migration-limit); 0: a broken stream ends with an error event.

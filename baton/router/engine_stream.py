@@ -33,9 +33,13 @@ from urllib.parse import urlsplit
 import httptools
 
 # A reused connection that the engine closed while it was idle fails before any byte of the
-# answer; the request then goes once more on a new connection. Idle ones are not kept past
-# this (uvicorn closes a keep-alive connection after 5 s idle by default).
+# answer, within a round trip of the request; the request then goes once more on a new
+# connection. One that fails later without a byte failed while the engine worked on it (a
+# whole answer sends nothing until it is done): that is the engine's failure, tried elsewhere,
+# never sent to the same engine again. Idle ones are not kept past `_IDLE_SECONDS` (uvicorn
+# closes a keep-alive connection after 5 s idle by default).
 _IDLE_SECONDS = 4.0
+_STALE_SECONDS = 0.5
 logger = logging.getLogger(__name__)
 _SKIPPED = frozenset(("host", "content-length", "transfer-encoding", "connection"))
 
@@ -79,6 +83,7 @@ class EngineConnection(asyncio.Protocol):
         self.wants_stream = True  # the request streams: a 200 event stream is not read whole
         self.is_stream = False  # a 200 event stream, returned with its first bytes in
         self.got_bytes = False
+        self.sent_at = self.lost_at = 0.0  # loop times of the request and of the connection's loss
         self.complete = False
         self._keep_alive = True
         self.ended: asyncio.Future[str | None] = self._loop.create_future()
@@ -107,6 +112,7 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._streams.forget(self)
+        self.lost_at = self._loop.time()
         if self.head_in and not self._framed and not self.complete:
             self.on_message_complete()  # a body that ends with its connection
         why = f"{type(exc).__name__}: {exc}" if exc else "the engine closed the connection"
@@ -142,6 +148,7 @@ class EngineConnection(asyncio.Protocol):
             self.wake()
 
     def on_message_complete(self) -> None:
+        self._flush()  # before the end: a fault of the sink on the last piece is the end's why
         self.complete = True
         self.busy = False
         self._end(None)
@@ -189,7 +196,7 @@ class EngineConnection(asyncio.Protocol):
         self.busy = True
         self.wants_stream = stream
         self.transport.write(request)
-        self._last_read = self._loop.time()
+        self._last_read = self.sent_at = self._loop.time()
 
         def check() -> None:  # re-armed only when it fires: a read just stamps its time
             idle = self._loop.time() - self._last_read
@@ -220,6 +227,13 @@ class EngineConnection(asyncio.Protocol):
 
     def body(self) -> bytes:
         return b"".join(self._pieces)
+
+    def stale(self) -> bool:
+        """Failed as a pooled connection the engine had closed while idle does: no byte of the
+        answer, and lost within `_STALE_SECONDS` of the request."""
+        lost = self.lost_at - self.sent_at if self.lost_at else None
+        fast = lost is not None and 0 <= lost < _STALE_SECONDS
+        return fast and not self.got_bytes and not self.timed_out
 
     def pause_reading(self) -> None:
         """Stops reading (the client is behind); the read timeout waits with it."""
@@ -286,7 +300,7 @@ class EngineStreams:
                 await self._head(connection)
             except StreamError:
                 connection.close()
-                if reused and not connection.got_bytes and not connection.timed_out:
+                if reused and connection.stale():
                     continue  # the engine had closed it while it was idle
                 raise
             except BaseException:
@@ -394,10 +408,12 @@ class EngineStreams:
 def _request(
     origin: tuple[str, int, bool], path: str, body: bytes, headers: Mapping[str, str]
 ) -> bytes:
-    host, port, _ = origin
+    host, port, tls = origin
     if ":" in host:
         host = f"[{host}]"  # an IPv6 address, as a URL writes it
-    lines = [f"POST {path} HTTP/1.1", f"host: {host}:{port}", f"content-length: {len(body)}"]
+    if port != (443 if tls else 80):  # the scheme's own port unsaid, as clients write Host
+        host = f"{host}:{port}"
+    lines = [f"POST {path} HTTP/1.1", f"host: {host}", f"content-length: {len(body)}"]
     for name, value in headers.items():
         if name.lower() in _SKIPPED:
             continue

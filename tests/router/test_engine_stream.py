@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from baton.ports import free_port
+from baton.router import engine_stream
 from baton.router.engine_stream import EngineStreams, StreamError
 
 EVENTS = [b'data: {"id":"a","n":%d}\n\n' % i for i in range(3)] + [b"data: [DONE]\n\n"]
@@ -262,6 +263,32 @@ async def test_a_reused_connection_that_times_out_is_not_sent_again() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_reused_connection_lost_while_the_engine_worked_is_not_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A whole answer sends nothing until it is done: a pooled connection lost without a byte
+    after the engine had it for a while is the engine's failure (a "broken" StreamError, for
+    the caller to try elsewhere), not a stale connection: the request is not sent again."""
+    monkeypatch.setattr(engine_stream, "_STALE_SECONDS", 0.1)
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        if nth > 0:
+            await asyncio.sleep(0.3)  # working on it, then gone
+            return False
+        await _stream(writer)
+        return True
+
+    async with _engine(answer) as (url, requests):
+        streams = _streams()
+        await _whole_streams(streams, url, 1)
+        with pytest.raises(StreamError) as lost:
+            await streams.open(url, "/v1/completions", b"{}", {}, stream=False)
+        assert lost.value.kind == "broken"
+        assert requests.count(b"connect") == 1 and len(requests) == 3
+        streams.close()
+
+
+@pytest.mark.asyncio
 async def test_a_paused_connection_waits_without_timing_out() -> None:
     """While the router does not read (its client is behind), the read timeout waits too:
     the answer ends whole after a pause three times the timeout."""
@@ -307,6 +334,49 @@ async def test_a_failing_sink_is_the_routers_fault_and_a_url_path_is_kept() -> N
         assert why is not None and why.startswith("the router failed: ValueError")
         connection.release()
         streams.close()
+
+
+@pytest.mark.asyncio
+async def test_a_sink_that_fails_on_the_last_read_ends_the_answer_as_the_routers_fault() -> None:
+    """The read that completes the answer hands its pieces on before the answer ends, so a
+    fault there is the end's reason, not a whole answer."""
+
+    async def answer(writer: asyncio.StreamWriter, nth: int) -> bool:
+        writer.write(SSE_HEAD + _chunk(EVENTS[0]))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"".join(_chunk(e) for e in EVENTS[1:]) + b"0\r\n\r\n")  # one read
+        await writer.drain()
+        return True
+
+    pieces: list[bytes] = []
+
+    def sink(piece: bytes) -> None:
+        pieces.append(piece)
+        if len(pieces) == 2:
+            raise ValueError("a bug")
+
+    async with _engine(answer) as (url, _):
+        streams = _streams()
+        connection = await streams.open(url, "/v1/completions", b"{}", {}, stream=True)
+        connection.attach(sink)
+        why = await asyncio.wait_for(connection.ended, 5)
+        assert pieces == [EVENTS[0], b"".join(EVENTS[1:])]
+        assert why is not None and why.startswith("the router failed: ValueError")
+        connection.release()
+        streams.close()
+
+
+def test_the_host_header_names_a_port_only_where_it_is_not_the_schemes() -> None:
+    """As clients write `Host`: a virtual host matched on it sees what it would from any other."""
+    for origin, host in [
+        (("engine", 80, False), b"host: engine\r\n"),
+        (("engine", 443, True), b"host: engine\r\n"),
+        (("engine", 8000, False), b"host: engine:8000\r\n"),
+        (("engine", 80, True), b"host: engine:80\r\n"),
+        (("::1", 8000, False), b"host: [::1]:8000\r\n"),
+    ]:
+        assert host in engine_stream._request(origin, "/v1/completions", b"{}", {})
 
 
 @pytest.mark.asyncio
