@@ -52,9 +52,9 @@ _LOG_TAIL = 40  # lines of a child's output kept for the error report
 _POLL_SECONDS = 0.2
 _PROGRESS_SECONDS = 5.0
 # An engine that dies is restarted after a backoff that doubles while it keeps dying (a crash
-# loop must not eat the machine) and starts small again once it stayed up for a while.
+# loop must not eat the machine), up to --restart-max-seconds, and starts small again once it
+# stayed up for a while.
 _RESTART_MIN_SECONDS = 1.0
-_RESTART_MAX_SECONDS = 30.0
 _RESTART_STABLE_SECONDS = 60.0
 # Engine flags `baton serve` sets itself for each engine. The keys go by environment; TLS is
 # left out: the engines talk plain HTTP to a router on the same machine.
@@ -146,6 +146,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
         "--stop-timeout", type=float, default=30.0, help="seconds each process gets to stop"
+    )
+    parser.add_argument(
+        "--restart-max-seconds",
+        type=float,
+        default=30.0,
+        help="the longest wait before restarting an engine that keeps dying (the wait starts at "
+        "1 s and doubles with each death; like systemd's RestartMaxDelaySec)",
     )
     add_prometheus_args(parser)
     routing = parser.add_argument_group("router (passed to baton router)")
@@ -312,10 +319,19 @@ class Child:
 class Supervisor:
     """Starts the engines and the router, watches them, stops them."""
 
-    def __init__(self, plan: Plan, startup_timeout: float, stop_timeout: float) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        startup_timeout: float,
+        stop_timeout: float,
+        restart_max_seconds: float = 30.0,
+    ) -> None:
+        if not restart_max_seconds >= 0:
+            raise ValueError(f"--restart-max-seconds must be >= 0, got {restart_max_seconds}")
         self.plan = plan
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
+        self.restart_max_seconds = restart_max_seconds
         self.engines: list[Child] = []
         self.router: Child | None = None
         # Made here: a missing `prometheus` binary fails before any engine loads.
@@ -505,24 +521,24 @@ class Supervisor:
 
     async def _keep_alive(self, child: Child) -> None:
         """Restarts `child` on its port with its flags each time it exits, after a backoff of
-        `_RESTART_MIN_SECONDS` doubling to `_RESTART_MAX_SECONDS`, which starts over once it
+        `_RESTART_MIN_SECONDS` doubling to `restart_max_seconds`, which starts over once it
         stayed up `_RESTART_STABLE_SECONDS`."""
-        backoff = _RESTART_MIN_SECONDS
+        backoff = min(_RESTART_MIN_SECONDS, self.restart_max_seconds)
         for restart in itertools.count(1):
             up_since = time.monotonic()
             code = await child.exit_code()
             if time.monotonic() - up_since >= _RESTART_STABLE_SECONDS:
-                backoff = _RESTART_MIN_SECONDS
+                backoff = min(_RESTART_MIN_SECONDS, self.restart_max_seconds)
             # Its EngineCore leaves on its own only when it next looks for its parent, and a
             # busy or stuck one would hold the accelerator (and the output pipe) meanwhile.
             child.kill_group()
             await child.wait(2)
             _say(
-                f"{child.name} exited with code {code}; restarting in {backoff:.0f} s "
+                f"{child.name} exited with code {code}; restarting in {backoff:g} s "
                 f"(restart {restart})"
             )
             await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, _RESTART_MAX_SECONDS)
+            backoff = min(2 * backoff, self.restart_max_seconds)
             await child.start()
 
     async def _stop_all(self) -> None:
@@ -554,5 +570,5 @@ async def _healthy(client: aiohttp.ClientSession, url: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     """`baton serve`: until Ctrl-C or SIGTERM; non-zero when start-up failed."""
     plan = plan_from_args(args)
-    supervisor = Supervisor(plan, args.startup_timeout, args.stop_timeout)
+    supervisor = Supervisor(plan, args.startup_timeout, args.stop_timeout, args.restart_max_seconds)
     return asyncio.run(supervisor.run())

@@ -40,6 +40,7 @@ def stack(tiny_model: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         tmp_path_factory.mktemp("migration") / "serve.log",
         "--model", str(model), "--served-model-name", "tiny", "--prefill", "1", "--decode", "2",
         "--policy", "round-robin", "--eject-seconds", "1", "--shutdown-timeout", "1",
+        "--restart-max-seconds", "1",  # the tests kill engines many times: no growing waits
         *ENGINE_FLAGS,
     )  # fmt: skip
     s.tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))  # type: ignore[attr-defined]

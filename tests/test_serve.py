@@ -455,6 +455,45 @@ def test_serve_flags_reach_the_router_and_the_engines(monkeypatch: pytest.Monkey
         serve.plan_from_args(parser.parse_args(["--prefill", "0", "--decode", "1"]))
 
 
+@pytest.mark.asyncio
+async def test_the_restart_backoff_doubles_up_to_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that keeps dying waits 1, 2, 4 s... before each restart, never more than
+    --restart-max-seconds; a negative one is refused."""
+    parser = argparse.ArgumentParser()
+    serve.add_args(parser)
+    args = parser.parse_args(["--restart-max-seconds", "3"])
+    supervisor = serve.Supervisor(serve.plan_from_args(args), 1, 1, args.restart_max_seconds)
+    waits: list[float] = []
+
+    class Dying:
+        name = "engine-0"
+        starts = 0
+
+        async def exit_code(self) -> int:
+            return -9
+
+        def kill_group(self) -> None:
+            pass
+
+        async def wait(self, timeout: float) -> None:
+            pass
+
+        async def start(self) -> None:
+            self.starts += 1
+            if self.starts == 5:
+                raise asyncio.CancelledError  # enough deaths
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(serve.asyncio, "sleep", sleep)
+    with pytest.raises(asyncio.CancelledError):
+        await supervisor._keep_alive(Dying())  # type: ignore[arg-type]
+    assert waits == [1, 2, 3, 3, 3]
+    with pytest.raises(ValueError, match="restart-max-seconds"):
+        serve.Supervisor(serve.plan_from_args(args), 1, 1, -1)
+
+
 @needs_roles
 def test_tensor_parallel_disaggregated_through_serve(tiny_model: Any, tmp_path: Path) -> None:
     """`baton serve --tensor-parallel-size 2`: prefill and decode engines of two ranks each;
