@@ -101,14 +101,14 @@ class EngineConnection(asyncio.Protocol):
             return
         self.got_bytes = True
         self._last_read = self._loop.time()
-        self._batch = []
+        error = None
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._flush()
-            self._end(f"the engine's answer could not be parsed: {e}")
-        else:
-            self._flush()
+            error = f"the engine's answer could not be parsed: {e}"
+        self._flush()  # what the read brought before any error
+        if error is not None:
+            self._end(error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._streams.forget(self)
@@ -231,8 +231,7 @@ class EngineConnection(asyncio.Protocol):
     def stale(self) -> bool:
         """Failed as a pooled connection the engine had closed while idle does: no byte of the
         answer, and lost within `_STALE_SECONDS` of the request."""
-        lost = self.lost_at - self.sent_at if self.lost_at else None
-        fast = lost is not None and 0 <= lost < _STALE_SECONDS
+        fast = self.lost_at > 0 and 0 <= self.lost_at - self.sent_at < _STALE_SECONDS
         return fast and not self.got_bytes and not self.timed_out
 
     def pause_reading(self) -> None:
