@@ -22,7 +22,7 @@ from tests.e2e.stacks import Stack, disagg_stack, save_figures
 
 pytestmark = pytest.mark.slow
 
-RATE = 8.0  # requests per second
+RATE = 16.0  # requests per second
 MAX_TOKENS = 16
 REQUEST_TIMEOUT = 60.0
 MEMORY_BOUND = 1.10  # after the run / after warm-up, per process
