@@ -19,7 +19,6 @@ then `[END_SEQ, b""]`.
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 import msgspec
@@ -88,10 +87,6 @@ def parse_config(text: str) -> KVEventsConfig:
         return msgspec.json.decode(text.encode(), type=KVEventsConfig)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ValueError(f"--kv-events-config: {e}") from None
-
-
-def config_json(config: KVEventsConfig) -> str:
-    return json.dumps(msgspec.to_builtins(config))
 
 
 _encoder = msgspec.msgpack.Encoder()
