@@ -112,11 +112,20 @@ class _Paced:
 
     def __enter__(self) -> _Paced:
         self._signal(signal.SIGSTOP)
-        time.sleep(0.05)
-        states = [Path(f"/proc/{core.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                  for core in self.cores]  # fmt: skip
-        assert states == ["T"] * len(self.cores), (self.urls, self.cores, states)
+        try:
+            self._wait_stopped()
+        except BaseException:  # no core may stay stopped for the tests after this one
+            self._signal(signal.SIGCONT)
+            raise
         return self
+
+    def _wait_stopped(self, timeout: float = 10) -> None:
+        """A stop takes effect when the core next runs, which at the lowest priority on a
+        loaded machine can be a while (a restarted core still starting up is runnable)."""
+        deadline = time.monotonic() + timeout
+        while (states := [_state(core.pid) for core in self.cores]) != ["T"] * len(self.cores):
+            assert time.monotonic() < deadline, (self.urls, self.cores, states)
+            time.sleep(0.01)
 
     def __exit__(self, *_: object) -> None:
         self._signal(signal.SIGCONT)
@@ -135,6 +144,11 @@ class _Paced:
     def _signal(self, sig: signal.Signals) -> None:
         for core in self.cores:  # a killed one is skipped, never another that took its id
             core.signal(sig)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _stream_killed(
