@@ -55,6 +55,7 @@ _PROGRESS_SECONDS = 5.0
 # loop must not eat the machine), up to --restart-max-seconds, and starts small again once it
 # stayed up for a while.
 _RESTART_MIN_SECONDS = 1.0
+_RESTART_MAX_SECONDS = 30.0  # --restart-max-seconds' default
 _RESTART_STABLE_SECONDS = 60.0
 # Engine flags `baton serve` sets itself for each engine. The keys go by environment; TLS is
 # left out: the engines talk plain HTTP to a router on the same machine.
@@ -150,7 +151,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--restart-max-seconds",
         type=float,
-        default=30.0,
+        default=_RESTART_MAX_SECONDS,
         help="the longest wait before restarting an engine that keeps dying (the wait starts at "
         "1 s and doubles with each death; like systemd's RestartMaxDelaySec)",
     )
@@ -324,7 +325,7 @@ class Supervisor:
         plan: Plan,
         startup_timeout: float,
         stop_timeout: float,
-        restart_max_seconds: float = 30.0,
+        restart_max_seconds: float = _RESTART_MAX_SECONDS,
     ) -> None:
         if not restart_max_seconds >= 0:
             raise ValueError(f"--restart-max-seconds must be >= 0, got {restart_max_seconds}")
@@ -523,12 +524,12 @@ class Supervisor:
         """Restarts `child` on its port with its flags each time it exits, after a backoff of
         `_RESTART_MIN_SECONDS` doubling to `restart_max_seconds`, which starts over once it
         stayed up `_RESTART_STABLE_SECONDS`."""
-        backoff = min(_RESTART_MIN_SECONDS, self.restart_max_seconds)
+        first = backoff = min(_RESTART_MIN_SECONDS, self.restart_max_seconds)
         for restart in itertools.count(1):
             up_since = time.monotonic()
             code = await child.exit_code()
             if time.monotonic() - up_since >= _RESTART_STABLE_SECONDS:
-                backoff = min(_RESTART_MIN_SECONDS, self.restart_max_seconds)
+                backoff = first
             # Its EngineCore leaves on its own only when it next looks for its parent, and a
             # busy or stuck one would hold the accelerator (and the output pipe) meanwhile.
             child.kill_group()

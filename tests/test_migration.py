@@ -20,7 +20,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.support.procs import engine_core
+from tests.support.procs import engine_core, state
 from tests.support.thread_server import scrape
 from tests.test_serve import ENGINE_FLAGS, Serve, _engine_pid, needs_roles
 
@@ -123,7 +123,7 @@ class _Paced:
         """A stop takes effect when the core next runs, which at the lowest priority on a
         loaded machine can be a while (a restarted core still starting up is runnable)."""
         deadline = time.monotonic() + timeout
-        while (states := [_state(core.pid) for core in self.cores]) != ["T"] * len(self.cores):
+        while (states := [state(core.pid) for core in self.cores]) != ["T"] * len(self.cores):
             assert time.monotonic() < deadline, (self.urls, self.cores, states)
             time.sleep(0.01)
 
@@ -144,11 +144,6 @@ class _Paced:
     def _signal(self, sig: signal.Signals) -> None:
         for core in self.cores:  # a killed one is skipped, never another that took its id
             core.signal(sig)
-
-
-def _state(pid: int) -> str:
-    """The process's state letter from /proc (T: stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _stream_killed(

@@ -26,13 +26,18 @@ def children(pid: int) -> list[int]:
     return kids
 
 
+def state(pid: int) -> str:
+    """The state letter of `pid` in /proc (R running, S sleeping, T stopped, Z zombie...);
+    OSError once it is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def alive(pid: int) -> bool:
     """True while `pid` runs (a zombie has ended)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return state(pid) != "Z"
     except OSError:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_exit(process: int | Process, timeout: float) -> float:
