@@ -24,6 +24,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -309,20 +310,40 @@ async def run_benchmark(
 # ---------------------------------------------------------------- offline baseline
 
 
+def server_kv_cache(base_url: str) -> tuple[int | None, int | None]:
+    """The server's (max_model_len, KV cache blocks), from its /v1/models and the
+    `vllm:cache_config_info` of its /metrics; None for what it does not say."""
+    max_len = blocks = None
+    with httpx.Client(timeout=30.0) as client:
+        try:
+            max_len = client.get(f"{base_url}/v1/models").json()["data"][0].get("max_model_len")
+            metrics = client.get(f"{base_url}/metrics").text
+        except (httpx.HTTPError, KeyError, IndexError, ValueError):
+            return max_len, None
+    found = re.search(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', metrics, re.M)
+    blocks = int(found.group(1)) if found else None
+    return max_len, blocks
+
+
 def offline_engine(
     model_path: str,
     requests: Sequence[SampledRequest],
     max_model_len: int | None,
     max_num_seqs: int | None = None,
+    num_blocks: int | None = None,
 ) -> Callable[[Sequence[SampledRequest]], tuple[int, float]]:
     """`baton.LLM` in this process, sized for `requests` (its max_model_len defaults to the
     longest) and warmed on a few of them, once; each call generates the requests it is given
     with it, greedy with ignore_eos: (output tokens, seconds). `max_num_seqs`: at most that
-    many at a time, as the server had with `--max-concurrency`."""
+    many at a time, as the server had with `--max-concurrency`; `num_blocks`: a KV cache of
+    that many blocks, the server's (a cache of another size is another engine: each block a
+    request first writes costs the kernel a page to fill)."""
     from baton import LLM, SamplingParams  # lazy: the load generator itself needs no torch
 
     max_len = max_model_len or max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
-    caps = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    caps: dict[str, int] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    if num_blocks is not None:
+        caps["num_gpu_blocks_override"] = num_blocks
     llm = LLM(model_path, max_model_len=max_len, **caps)
 
     def run(batch: Sequence[SampledRequest]) -> tuple[int, float]:
@@ -499,8 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.sched_setaffinity(0, args.offline_cpus)
         if offline_run is None:
             every = [r for w in workloads for r in w]
+            # The server's cache and length, so that both sides are the same engine.
+            served_len, blocks = server_kv_cache(args.base_url)
+            max_len = args.max_model_len or served_len
+            print(f"Offline engine: max_model_len {max_len}, KV blocks {blocks} (the server's)")
             offline_run = offline_engine(
-                args.model_path, every, args.max_model_len, args.max_concurrency
+                args.model_path, every, max_len, args.max_concurrency, blocks
             )
         tokens, seconds = offline_run(requests)
         online_tput = result.metrics["output_throughput"]

@@ -192,17 +192,18 @@ class EngineCore:
         args = self.args
         per_block = self.executor.kv_bytes_per_block()
         memory = self.executor.device_memory()
-        if args.num_gpu_blocks_override is not None:
-            num_blocks = args.num_gpu_blocks_override
-        elif args.kv_cache_memory_bytes is not None:
-            num_blocks = args.kv_cache_memory_bytes // per_block
-        elif memory is not None:
-            num_blocks = int(kv_budget(*memory, args.gpu_memory_utilization) // per_block)
-        else:
-            num_blocks = _CPU_KV_CACHE_BYTES // per_block
         needed = cdiv(self.max_model_len, args.block_size)
-        # Past this many blocks nothing could use them: every sequence is capped.
-        num_blocks = min(num_blocks, needed * args.max_num_seqs)
+        if args.num_gpu_blocks_override is not None:  # as given, as vLLM takes it
+            num_blocks = args.num_gpu_blocks_override
+        else:
+            if args.kv_cache_memory_bytes is not None:
+                num_blocks = args.kv_cache_memory_bytes // per_block
+            elif memory is not None:
+                num_blocks = int(kv_budget(*memory, args.gpu_memory_utilization) // per_block)
+            else:
+                num_blocks = _CPU_KV_CACHE_BYTES // per_block
+            # A budget need not be filled past what every sequence at its longest could use.
+            num_blocks = min(num_blocks, needed * args.max_num_seqs)
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache has {num_blocks} blocks of {args.block_size} tokens, fewer than "

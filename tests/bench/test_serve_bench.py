@@ -253,7 +253,13 @@ async def _fake_openai_server(
                 }
                 raw = await reader.readexactly(int(headers.get("content-length", "0")))
                 if method == "GET" and path == "/v1/models":
-                    respond(writer, "200 OK", {"object": "list", "data": [{"id": "fake-model"}]})
+                    model = {"id": "fake-model", "max_model_len": 512}
+                    respond(writer, "200 OK", {"object": "list", "data": [model]})
+                elif method == "GET" and path == "/metrics":
+                    text = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="77"} 1.0\n'
+                    writer.write(
+                        f"HTTP/1.1 200 OK\r\nContent-Length: {len(text)}\r\n\r\n{text}".encode()
+                    )
                 elif method == "POST" and path == "/v1/completions":
                     body = json.loads(raw)
                     state.bodies.append(body)
@@ -501,9 +507,10 @@ def test_repeats_alternate_the_server_and_one_offline_engine(
     made: list[_FakeLLM], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--repeats 3 --offline-baseline`: three server runs, each followed by an offline run of
-    the same requests on one engine built once, each round with prompts of its own (repeated
-    ones would hit the prefix caches); each round's ratio is printed and recorded, and the
-    ratio reported is their median."""
+    the same requests on one engine built once, as the server's (its concurrency, max_model_len
+    and KV cache's blocks), each round with prompts of its own (repeated ones would hit the
+    prefix caches); each round's ratio is printed and recorded, and the ratio reported is their
+    median."""
     out = tmp_path / "result.json"
     state = FakeServerState(bodies=[])
 
@@ -520,7 +527,12 @@ def test_repeats_alternate_the_server_and_one_offline_engine(
 
     assert asyncio.run(serve_and_run()) == 0
     (llm,) = made  # built once, for every round
-    assert llm.engine_args["max_num_seqs"] == 2
+    # The server's concurrency, length and KV cache: the same engine on both sides.
+    assert llm.engine_args == {
+        "max_num_seqs": 2,
+        "max_model_len": 512,
+        "num_gpu_blocks_override": 77,
+    }
     assert len(llm.calls) == 1 + 3  # its warm-up, then one run per round
     assert len(state.bodies) == 3 * 2  # each round sent the two requests to the server
     served = [sorted(tuple(b["prompt"]) for b in state.bodies[i : i + 2]) for i in (0, 2, 4)]

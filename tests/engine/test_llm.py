@@ -112,6 +112,17 @@ def test_preemption_matches_transformers(tiny_model) -> None:
     assert llm.engine.scheduler.kv.num_free_blocks == 12
 
 
+def test_block_count_override_is_taken_as_given(tiny_model) -> None:
+    """`num_gpu_blocks_override` sets the cache's size even past what the running sequences
+    could fill (the rest holds cached prefixes), as vLLM takes it; a memory budget is capped
+    there."""
+    path = tiny_model("llama")
+    llm = LLM(str(path), max_model_len=128, max_num_seqs=2, num_gpu_blocks_override=40)
+    assert llm.engine.num_blocks == 40  # 2 sequences of 8 blocks would have capped it at 16
+    budget = LLM(str(path), max_model_len=128, max_num_seqs=2, kv_cache_memory_bytes=1 << 30)
+    assert budget.engine.num_blocks == 16
+
+
 def test_sdpa_decode_path_matches_transformers(tiny_model, monkeypatch) -> None:
     """The torch SDPA decode path (used where the C kernel is unavailable) is exact too."""
     monkeypatch.setattr(cpu_paged_attention, "available", lambda *a: False)
