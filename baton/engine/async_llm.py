@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -73,16 +73,30 @@ class EngineDeadError(RuntimeError):
     """The EngineCore process is gone; nothing more will be served."""
 
 
+Sink = Callable[[RequestOutput], bool]  # takes a snapshot in the output loop (True) or not
+
+
 class _Stream:
     """Latest snapshot of one request. Snapshots are cumulative, so a slow reader just skips to
-    the newest one instead of queueing every step."""
+    the newest one instead of queueing every step.
 
-    def __init__(self) -> None:
+    With a `sink`, a snapshot that comes while the reader waits in `get`, having taken every
+    earlier one, is offered to the sink first, in the output loop: one the sink takes never
+    wakes the reader (a streamed answer's tokens written to the socket without a task switch
+    each). The last snapshot (finished) always goes to the reader.
+    """
+
+    def __init__(self, sink: Sink | None = None) -> None:
         self.latest: RequestOutput | None = None
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
+        self.sink = sink
+        self._waiting = False
 
     def put(self, item: RequestOutput) -> None:
+        offered = self._waiting and not self.ready.is_set() and not item.finished
+        if offered and self.sink is not None and self.sink(item):
+            return
         self.latest = item
         self.ready.set()
 
@@ -91,7 +105,11 @@ class _Stream:
         self.ready.set()
 
     async def get(self) -> RequestOutput:
-        await self.ready.wait()
+        self._waiting = True
+        try:
+            await self.ready.wait()
+        finally:
+            self._waiting = False
         self.ready.clear()
         if self.error is not None:
             raise self.error
@@ -217,8 +235,13 @@ class AsyncLLM:
         kv_transfer_params: KVTransferParams | None = None,
         resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        sink: Sink | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams cumulative snapshots of one request until it finishes.
+
+        `sink(snapshot)`, if given, runs in the output loop for each snapshot but the last that
+        comes while the caller waits for the next one, having taken every earlier one: a
+        snapshot it takes (True) is not yielded. It must not raise.
 
         `resume_token_ids` resumes an answer another engine began: it goes on as if this
         engine had produced those output tokens itself (recomputed like a preempted request's;
@@ -247,7 +270,7 @@ class AsyncLLM:
                 prompt_logprobs=None,
             )
         children = child_requests(request_id, sampling_params)
-        stream = _Stream()
+        stream = _Stream(sink)
         self._streams[request_id] = stream
         self.output_processor.add_request(
             request_id,

@@ -863,6 +863,7 @@ class EngineServer:
         """A streaming answer: `head`, the chunks of each snapshot, `chunk`'s usage chunk if asked
         for, `[DONE]`. An error after the headers went out is an error event, then `[DONE]`."""
         cleanup = cleanup_for(streams, release)
+        unsent: list[str] = []  # the events `direct` made of a snapshot but could not write
 
         async def events() -> AsyncGenerator[str, None]:
             try:
@@ -870,6 +871,9 @@ class EngineServer:
                     yield event
                 if len(streams) == 1:  # most answers: without `merge`'s layer per token
                     while (out := await streams[0].next()) is not None:
+                        if unsent:  # made of this snapshot: nothing of it is left to make
+                            yield "".join(unsent)
+                            unsent.clear()
                         for event in chunks(0, out):
                             yield event
                 else:
@@ -888,7 +892,20 @@ class EngineServer:
             finally:
                 await cleanup()
 
-        return EventStream(events(), cleanup)
+        def direct(write: Callable[[bytes], bool]) -> None:
+            """One prompt's tokens written by the engine's output loop as they come, not by
+            `events` (a task switch and its generators a token); the last through `events`."""
+
+            def handle(out: RequestOutput) -> bool:
+                body = "".join(chunks(0, out))
+                if body and not write(body.encode()):  # paused for a slow client, or gone
+                    unsent.append(body)  # `events` sends it, waiting for the client
+                    return False
+                return True
+
+            streams[0].direct(handle)
+
+        return EventStream(events(), cleanup, direct if len(streams) == 1 else None)
 
     # -- tokenizer routes --
 

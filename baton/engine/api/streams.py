@@ -45,12 +45,35 @@ class PromptStream:
             kv_transfer_params=kv_transfer_params,
             resume_token_ids=resume_token_ids,
             cache_salt=cache_salt,
+            sink=self._offer,
         )
         # The snapshots of a resumed answer start with its resumed tokens: another engine
         # generated them (and counted them), so the metrics count from there.
         self._timer = RequestTimer(metrics, len(ids), params, len(resume_token_ids or []))
         self._closed = False
+        self._handle: Callable[[RequestOutput], bool] | None = None
+        self._failed: Exception | None = None  # what `_handle` raised
         self.last: RequestOutput | None = None
+
+    def direct(self, handle: Callable[[RequestOutput], bool]) -> None:
+        """From now on, while the reader waits in `next`, each snapshot but the last goes to
+        `handle` first, in the engine's output loop: `handle` sends what the snapshot shows and
+        returns True, or returns False (the reader gets the snapshot, and what `handle` made
+        of it is the reader's to send). What it raises is raised by `next`."""
+        self._handle = handle
+
+    def _offer(self, out: RequestOutput) -> bool:
+        if self._handle is None or self._failed is not None or out.error is not None:
+            return False
+        try:
+            taken = self._handle(out)
+        except Exception as e:  # never into the output loop: the reader raises it
+            self._failed = e
+            return False
+        if taken:
+            self._timer.on_output(out)
+            self.last = out
+        return taken
 
     async def next(self) -> RequestOutput | None:
         """The next snapshot, or None once the request has finished."""
@@ -64,6 +87,8 @@ class PromptStream:
             raise APIError(400, str(e), "prompt") from None
         except EngineDeadError as e:
             raise APIError(503, str(e)) from None
+        if self._failed is not None:
+            raise self._failed
         self._timer.on_output(out)
         self.last = out
         if out.error is not None:  # the engine ended it (a failed KV load under policy "fail")
@@ -125,18 +150,28 @@ class EventStream(Response):
     each event is written on the connection by the server's `body_writer` (one `send`, waiting
     for the client to drain, where it cannot), and one watcher task per stream waits for the
     client's disconnect and, if it comes, cancels the stream wherever it waits.
+
+    `direct(write)`, if given, is called once the response has started: the producer may then
+    write events with `write` itself (outside this task), while `events` waits for more. It must
+    write only what `events` would have yielded at that point, and only while `events` waits
+    (`PromptStream.direct` offers snapshots then). `write` returns False, having written
+    nothing, where the events must go through `events` instead.
     """
 
     media_type = "text/event-stream"
 
     def __init__(
-        self, events: AsyncGenerator[str, None], cleanup: Callable[[], Awaitable[None]]
+        self,
+        events: AsyncGenerator[str, None],
+        cleanup: Callable[[], Awaitable[None]],
+        direct: Callable[[Callable[[bytes], bool]], None] | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache"})
         self._events = events
         self._cleanup = cleanup
+        self._direct = direct
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.current_task()
@@ -155,6 +190,8 @@ class EventStream(Response):
         write = body_writer(scope)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            if write is not None and self._direct is not None:
+                self._direct(write)  # the producer may write events itself from now on
             async for event in self._events:
                 body = event.encode()
                 if write is None or not write(body):

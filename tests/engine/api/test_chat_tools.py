@@ -63,6 +63,7 @@ class AnswerLLM(FakeLLM):
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        sink: object = None,  # never offered a snapshot: every one is yielded
     ) -> AsyncIterator[RequestOutput]:
         self.seen.append((request_id, prompt_token_ids, sampling_params))
         processor = OutputProcessor(self.tokenizer)

@@ -193,6 +193,7 @@ class FakeLLM:
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        sink: object = None,  # never offered a snapshot: every one is yielded
     ) -> AsyncIterator[RequestOutput]:
         check_prompt_token_ids(prompt_token_ids, self.max_model_len, 512)
         self.seen.append((request_id, prompt_token_ids, sampling_params))

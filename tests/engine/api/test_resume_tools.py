@@ -37,6 +37,7 @@ class ResumingLLM(AnswerLLM):
         kv_transfer_params: dict | None = None,
         resume_token_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        sink: object = None,  # never offered a snapshot: every one is yielded
     ) -> AsyncIterator[RequestOutput]:
         resumed = resume_token_ids or []
         tokens = [ord(c) for c in self.answer] + [0]
