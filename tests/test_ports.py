@@ -38,3 +38,41 @@ def test_falls_back_to_the_kernels_pick_without_room(monkeypatch: pytest.MonkeyP
     port = ports.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_an_engine_whose_port_another_server_took_starts_again_on_another(
+    tiny_model, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port is named before the server binds it, so another process may take the number
+    first (CI saw a test's engine answered by another test's, on its port). The test servers
+    take a ready answer only from their own socket (`procs.listens`) and start again on
+    another port when theirs was taken."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from threading import Thread
+
+    from tests.support import engine_server
+    from tests.support.procs import listens
+
+    class Healthy(BaseHTTPRequestHandler):  # answers /health as a ready engine would
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    squatter = HTTPServer(("127.0.0.1", 0), Healthy)
+    taken = squatter.server_address[1]
+    Thread(target=squatter.serve_forever, daemon=True).start()
+    picks = iter([taken])
+    monkeypatch.setattr(engine_server, "free_port", lambda: next(picks, None) or ports.free_port())
+    server = engine_server.start_server(tiny_model("llama"), tmp_path)
+    try:
+        assert server.port != taken and listens(server.proc.pid, server.port)
+        assert not listens(server.proc.pid, taken)
+        assert "address already in use" in server.log()  # the first start's
+        assert server.client().models.list().data[0].id == engine_server.NAME
+    finally:
+        server.stop()
+        squatter.shutdown()
+        squatter.server_close()

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.procs import children, opened
+from tests.support.procs import children, listens, opened
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -34,31 +34,48 @@ class Server:
     """`python -m baton.engine.api.cli` on a free port; its output goes to a log file."""
 
     def __init__(self, model: Path, log: Path, *flags: str) -> None:
+        self.model, self.flags, self.log_path = model, flags, log
+        self._start("wb")
+
+    def _start(self, mode: str = "ab") -> None:
+        """Starts the server on a port picked now. The port is named before the server binds it
+        (after its engine is ready), and another process may pick the same number meanwhile."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
         cmd = [
             sys.executable, "-m", "baton.engine.api.cli",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", NAME,
-            "--disable-uvicorn-access-log", "--log-level", "WARNING", *flags,
+            "--disable-uvicorn-access-log", "--log-level", "WARNING", *self.flags,
         ]  # fmt: skip
-        with open(log, "wb") as out:
+        with open(self.log_path, mode) as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        self._taken_before = self._port_taken()
+
+    def _port_taken(self) -> int:
+        """How many times the log says a start found its port taken."""
+        return self.log_path.read_text(errors="replace").count("address already in use")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until this server answers /health from its own socket. One that cannot bind its port
+        (another process took the number first; a ready answer there is that process's)
+        starts again on another."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._port_taken() > self._taken_before:
+                    self._start()
+                    continue
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
+                ok = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                pass
+                ok = False
+            if ok and listens(self.proc.pid, self.port):
+                return
             time.sleep(0.2)
         pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
 

@@ -50,6 +50,22 @@ def wait_exit(process: int | Process, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def listens(pid: int, port: int) -> bool:
+    """True when `pid` holds the socket that listens on TCP `port` (IPv4): a server that
+    answers on a port may be another process that picked the same number first."""
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+            inodes.add(f"socket:[{fields[9]}]")
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                if os.readlink(fd) in inodes:
+                    return True
+    return False
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of process `pid` (VmRSS)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
