@@ -5,9 +5,12 @@ disaggregated engines with staging forced answering as one engine does."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
+import queue
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -160,6 +163,18 @@ def _serve_staged_in_child(port_q: mp.Queue, stop: mp.Event, done_q: mp.Queue) -
     pool.close()
 
 
+def _started(port_q: mp.Queue, proc: BaseProcess) -> int:
+    """The port the spawned server put on `port_q`. A spawned child imports torch and this
+    module again before it serves: on a loaded 2-core machine that took over 30 s once, so this
+    waits as long as the child lives (up to 120 s), and fails at once if it died."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(queue.Empty):
+            return int(port_q.get(timeout=1))
+        assert proc.is_alive(), f"the server's process exited with {proc.exitcode}"
+    raise AssertionError("the server's process did not start serving within 120 s")
+
+
 def test_staged_round_trip_across_processes() -> None:
     """A staged server in a spawned process serves its blocks to a staged reader in this one."""
     ctx = mp.get_context("spawn")
@@ -169,7 +184,7 @@ def test_staged_round_trip_across_processes() -> None:
     local = torch.zeros(BIG, dtype=torch.bfloat16)
     pool = StagingPool(local, 2 * 1024 // 2)  # bf16 blocks are 512 B: chunks of two
     try:
-        port = port_q.get(timeout=30)
+        port = _started(port_q, proc)
         ids, dst = [2, 3, 4, 8, 9, 10, 11, 12, 30], [0, 1, 5, 6, 7, 20, 21, 22, 39]
         result = read_blocks(
             lease_at(port, "child-engine", "x"), ids, local, dst, deadline(), staging=pool
