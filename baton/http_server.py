@@ -1,9 +1,11 @@
 """The HTTP server lifecycle that the engine's API server and the router share.
 
 Both run one ASGI app under uvicorn with the same listen settings (`ListenConfig`), the same
-deadline for reading each request (`_ReadTimeoutProtocol`), signals handled by their own code
-rather than uvicorn's (`HTTPServer.handle_signals`), the same answer to a client that leaves
-before its answer is ready (`cancel_on_disconnect`) and the same process runner (`run`).
+deadline for reading each request (`_ReadTimeoutProtocol`, which also closes idle TLS
+connections without waiting for the client's close_notify, so that none holds a stop), signals
+handled by their own code rather than uvicorn's (`HTTPServer.handle_signals`), the same answer
+to a client that leaves before its answer is ready (`cancel_on_disconnect`) and the same process
+runner (`run`).
 
 Why the read deadline: uvicorn times out only idle keep-alive connections. A client that
 connects and sends nothing, or sends its headers or body a byte at a time and then stalls (slow
@@ -167,7 +169,26 @@ class _ReadTimeoutProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.logger.info("closing a connection whose request took over %.0f s to arrive",
                              self.read_timeout)  # fmt: skip
-            self.transport.close()  # then connection_lost: a request in the app sees a disconnect
+            self._close()  # then connection_lost: a request in the app sees a disconnect
+
+    def _close(self) -> None:
+        """Closes an idle or stalled connection. Over TLS, after sending close_notify, without
+        waiting for the client's: the event loop would wait up to 30 s for it, and a pooled
+        client that is not reading its socket never sends it, so the connection would hold a
+        stop that long. The side that closes need not wait (RFC 8446, 6.1)."""
+        self.transport.close()
+        if self.transport.get_extra_info("ssl_object") is not None:
+            self.transport.abort()
+
+    def shutdown(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self._close()
+        else:
+            self.cycle.keep_alive = False  # uvicorn's: closed once its response is sent
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self._close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

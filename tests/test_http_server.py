@@ -295,6 +295,39 @@ async def test_tls_with_the_ssl_flags(tmp_path: Path) -> None:
                 await plain.get(f"http://127.0.0.1:{port}/health")
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("idle_for", [0.0, 0.4])
+async def test_a_tls_server_with_an_idle_client_stops_at_once(
+    tmp_path: Path, idle_for: float
+) -> None:
+    """A pooled keep-alive connection over TLS does not hold a stop: the server sends its
+    close_notify and closes without waiting for the client's, which a client that is not
+    reading never sends (the event loop would wait 30 s for it). Also for a connection the
+    keep-alive timeout closed just before the stop (`idle_for` past uvicorn's 0.3 s here)."""
+    certs = make_certs(tmp_path)
+    port = free_port()
+    listen = ListenConfig(host="127.0.0.1", port=port, ssl_certfile=str(certs.cert),
+                          ssl_keyfile=str(certs.key))  # fmt: skip
+    http = HTTPServer(_ok, listen, lifespan="off", graceful_shutdown=20)
+    http._uvicorn.config.timeout_keep_alive = 0.3  # type: ignore[assignment]
+    serving = asyncio.create_task(http.serve())
+    for _ in range(200):
+        if http.started or serving.done():
+            break
+        await asyncio.sleep(0.02)
+    assert http.started, "the server never listened"
+    trusted = ssl.create_default_context(cafile=str(certs.ca))
+    async with httpx.AsyncClient(verify=trusted) as client:
+        assert (await client.get(f"https://127.0.0.1:{port}/")).text == "ok"
+        await asyncio.sleep(idle_for)  # the connection waits in the client's pool, unread
+        started = asyncio.get_running_loop().time()
+        http.stop()
+        await asyncio.wait_for(serving, 10)
+        assert asyncio.get_running_loop().time() - started < 2
+        with pytest.raises(httpx.HTTPError):  # the pooled connection is gone, and the server
+            await client.get(f"https://127.0.0.1:{port}/")
+
+
 def test_the_startup_heap_is_frozen_out_of_the_collectors_reach() -> None:
     """What exists when a server starts (here: a cycle made before) is moved out of the
     collector's generations, so a full pass no longer walks it; what comes after is collected
