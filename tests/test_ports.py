@@ -3,12 +3,19 @@ the kernel's ephemeral range, free when picked, never handed out twice."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from threading import Thread
 
+import httpx
 import pytest
 
 from baton import ports
+from tests.support import engine_server, router_process
+from tests.support.procs import listens
 
 
 def test_picks_free_ports_below_the_ephemeral_range_and_never_twice() -> None:
@@ -40,6 +47,32 @@ def test_falls_back_to_the_kernels_pick_without_room(monkeypatch: pytest.MonkeyP
         s.bind(("127.0.0.1", port))
 
 
+@contextlib.contextmanager
+def _squatter() -> Iterator[int]:
+    """An HTTP server on a port of its own that answers /health as a ready engine or router
+    would (200, no engine available); its port."""
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"status": "ok", "available": 0}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    squatter = HTTPServer(("127.0.0.1", 0), Healthy)
+    Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        yield squatter.server_address[1]
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+
+
 def test_an_engine_whose_port_another_server_took_starts_again_on_another(
     tiny_model, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -47,32 +80,38 @@ def test_an_engine_whose_port_another_server_took_starts_again_on_another(
     first (CI saw a test's engine answered by another test's, on its port). The test servers
     take a ready answer only from their own socket (`procs.listens`) and start again on
     another port when theirs was taken."""
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-    from threading import Thread
+    with _squatter() as taken:
+        picks = iter([taken])
+        monkeypatch.setattr(
+            engine_server, "free_port", lambda: next(picks, None) or ports.free_port()
+        )
+        server = engine_server.start_server(tiny_model("llama"), tmp_path)
+        try:
+            assert server.port != taken and listens(server.proc.pid, server.port)
+            assert not listens(server.proc.pid, taken)
+            assert "address already in use" in server.log()  # the first start's
+            assert server.client().models.list().data[0].id == engine_server.NAME
+        finally:
+            server.stop()
 
-    from tests.support import engine_server
-    from tests.support.procs import listens
 
-    class Healthy(BaseHTTPRequestHandler):  # answers /health as a ready engine would
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    squatter = HTTPServer(("127.0.0.1", 0), Healthy)
-    taken = squatter.server_address[1]
-    Thread(target=squatter.serve_forever, daemon=True).start()
-    picks = iter([taken])
-    monkeypatch.setattr(engine_server, "free_port", lambda: next(picks, None) or ports.free_port())
-    server = engine_server.start_server(tiny_model("llama"), tmp_path)
-    try:
-        assert server.port != taken and listens(server.proc.pid, server.port)
-        assert not listens(server.proc.pid, taken)
-        assert "address already in use" in server.log()  # the first start's
-        assert server.client().models.list().data[0].id == engine_server.NAME
-    finally:
-        server.stop()
-        squatter.shutdown()
-        squatter.server_close()
+def test_a_router_whose_port_another_server_took_starts_again_on_another(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for the tests' `baton router` processes."""
+    with _squatter() as taken:
+        picks = iter([taken])
+        monkeypatch.setattr(
+            router_process, "free_port", lambda: next(picks, None) or ports.free_port()
+        )
+        # An engine that is not there: the router is ready with none available.
+        dead = f"http://127.0.0.1:{ports.free_port()}"
+        router = router_process.RouterProcess(tmp_path / "router.log", [], [dead])
+        try:
+            router.expected = 0
+            router.wait_ready()
+            assert router.port != taken and listens(router.proc.pid, router.port)
+            assert "address already in use" in router.log()
+            assert httpx.get(f"{router.url}/engines").status_code == 200
+        finally:
+            router.stop()

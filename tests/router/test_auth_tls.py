@@ -32,45 +32,31 @@ ROUTER_KEY = "the-clients-key"
 class TLSServer(Server):
     """The engine server on HTTPS, checked through the test CA."""
 
+    scheme = "https"
+
     def __init__(self, model: Path, log: Path, certs: Certs, *flags: str) -> None:
+        self.verify = ssl.create_default_context(cafile=str(certs.ca))
         super().__init__(model, log, "--ssl-certfile", str(certs.cert),
                          "--ssl-keyfile", str(certs.key), *flags)  # fmt: skip
-        self.url = f"https://127.0.0.1:{self.port}"
-        self.verify = ssl.create_default_context(cafile=str(certs.ca))
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"engine exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", verify=self.verify).status_code == 200:
-                    return
-            time.sleep(0.2)
-        pytest.fail(f"engine not ready after {timeout} s:\n{self.log()}")
+    def _health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", verify=self.verify, timeout=1)
 
 
 class TLSRouter(RouterProcess):
     """`baton router` on HTTPS in front of aggregated engine URLs."""
 
+    scheme = "https"
+
     def __init__(self, log: Path, certs: Certs, engines: list[str], *flags: str) -> None:
+        self.verify = ssl.create_default_context(cafile=str(certs.ca))
         urls = [w for u in engines for w in ("--engine", u)]
         super().__init__(log, [], [], "--ssl-certfile", str(certs.cert),
                          "--ssl-keyfile", str(certs.key), *urls, *flags)  # fmt: skip
-        self.url = f"https://127.0.0.1:{self.port}"
         self.expected = len(engines)
-        self.verify = ssl.create_default_context(cafile=str(certs.ca))
 
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"router exited:\n{self.log()}"
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                r = httpx.get(f"{self.url}/health", verify=self.verify, timeout=1)
-                if r.status_code == 200 and r.json()["available"] == self.expected:
-                    return
-            time.sleep(0.1)
-        raise AssertionError(f"router not ready after {timeout} s:\n{self.log()}")
+    def _health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", verify=self.verify, timeout=1)
 
     def client(self, key: str | None) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0,

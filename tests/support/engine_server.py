@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.support.ports import free_port
-from tests.support.procs import children, listens, opened
+from tests.support.procs import children, listens, opened, port_taken
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -37,11 +37,13 @@ class Server:
         self.model, self.flags, self.log_path = model, flags, log
         self._start("wb")
 
+    scheme = "http"
+
     def _start(self, mode: str = "ab") -> None:
         """Starts the server on a port picked now. The port is named before the server binds it
         (after its engine is ready), and another process may pick the same number meanwhile."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
         cmd = [
             sys.executable, "-m", "baton.engine.api.cli",
             "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
@@ -50,11 +52,7 @@ class Server:
         ]  # fmt: skip
         with open(self.log_path, mode) as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        self._taken_before = self._port_taken()
-
-    def _port_taken(self) -> int:
-        """How many times the log says a start found its port taken."""
-        return self.log_path.read_text(errors="replace").count("address already in use")
+        self._taken_before = port_taken(self.log_path)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -66,18 +64,21 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                if self._port_taken() > self._taken_before:
+                if port_taken(self.log_path) > self._taken_before:
                     self._start()
                     continue
                 pytest.fail(f"server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                ok = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+                ok = self._health().status_code == 200
             except httpx.HTTPError:
                 ok = False
             if ok and listens(self.proc.pid, self.port):
                 return
             time.sleep(0.2)
         pytest.fail(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def _health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=1)
 
     def stop(self, drain_seconds: float = 5) -> None:
         """SIGTERM (drain); a second SIGTERM if it is still draining after `drain_seconds` (a

@@ -50,6 +50,11 @@ def wait_exit(process: int | Process, timeout: float) -> float:
     return time.monotonic() - start
 
 
+def port_taken(log: Path) -> int:
+    """How many times a server's log says a start found its port taken (uvicorn's bind error)."""
+    return log.read_text(errors="replace").count("address already in use")
+
+
 def listens(pid: int, port: int) -> bool:
     """True when `pid` holds the socket that listens on TCP `port` (IPv4): a server that
     answers on a port may be another process that picked the same number first."""
