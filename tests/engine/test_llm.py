@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -233,6 +234,24 @@ def test_stop_token_ids_and_min_tokens(tiny_model) -> None:
         ),
     )
     assert len(late[0].outputs[0].token_ids) == 12
+
+
+def test_min_tokens_forbids_eos_under_ignore_eos_too(tiny_model) -> None:
+    """As in vLLM: min_tokens keeps EOS from being sampled before the min_tokens-th token even
+    with ignore_eos (which only keeps EOS from ending the request); after it, EOS may come."""
+    path = tiny_model("llama")
+    llm = LLM(str(path), max_model_len=256)
+    eos = json.loads((Path(path) / "config.json").read_text())["eos_token_id"]
+    prompt = {"prompt_token_ids": _prompts([10], 512, seed=13)[0]}
+    pushed = {"logit_bias": {eos: 100.0}, "max_tokens": 10, "temperature": 0.0}
+    out = llm.generate(prompt, SamplingParams(**pushed, ignore_eos=True, min_tokens=5))
+    ids = list(out[0].outputs[0].token_ids)
+    assert len(ids) == 10 and eos not in ids[:5] and ids[5:] == [eos] * 5
+    alone = llm.generate(prompt, SamplingParams(**pushed, ignore_eos=True))[0].outputs[0]
+    assert list(alone.token_ids) == [eos] * 10
+    stops = llm.generate(prompt, SamplingParams(**pushed, min_tokens=5))[0].outputs[0]
+    assert eos not in stops.token_ids[:5] and stops.token_ids[5:] == [eos]
+    assert stops.finish_reason == "stop"
 
 
 def test_text_prompts_and_detokenization(tiny_model) -> None:

@@ -454,7 +454,9 @@ class ModelRunner:
         for row, (s, p) in enumerate(zip(states, params, strict=True)):
             num_output = len(s.token_ids) + s.num_pending - s.num_prompt_tokens
             if p.min_tokens and num_output < p.min_tokens:
-                min_block[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+                # EOS too under ignore_eos, as vLLM (`all_stop_token_ids` always holds it):
+                # min_tokens forbids it, ignore_eos keeps it from ending the request after.
+                min_block[row] = list(p.stop_token_ids) + list(eos)
 
         def column(values: list[float], skip: float, dtype: type) -> torch.Tensor | None:
             if all(v == skip for v in values):
