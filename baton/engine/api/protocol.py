@@ -664,10 +664,10 @@ def resolve_max_tokens(
     prompt_param: str,
     param: str = "max_tokens",
 ) -> int:
-    """How many tokens to generate: what was asked, else `default`, else all that fit.
+    """How many tokens to generate: what was asked, else `default`, else all that fit, and
+    never past the room the prompt leaves (an ask past it is cut to it, as vLLM does).
 
-    A prompt that leaves no room, or an explicit request past the room left, is a 400 naming
-    the limit and the length.
+    A prompt that leaves no room, or an ask past the whole context, is a 400 naming the limit.
     """
     room = max_model_len - prompt_len
     if room < 1:
@@ -680,12 +680,12 @@ def resolve_max_tokens(
         )
     if requested is None:
         return room if default is None else min(default, room)
-    if requested > room:
+    if requested > max_model_len:
         raise APIError(
             400,
-            f"'{param}' is too large: {requested}. This model's maximum context length is "
-            f"{max_model_len} tokens and your request has {prompt_len} input tokens "
-            f"({requested} > {max_model_len} - {prompt_len}).",
+            f"'{param}' is too large: {requested}. It cannot be greater than this model's "
+            f"maximum context length, {max_model_len} tokens. Please request fewer output "
+            "tokens.",
             param,
         )
-    return requested
+    return min(requested, room)

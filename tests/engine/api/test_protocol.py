@@ -116,16 +116,22 @@ def test_prompt_shapes_become_a_batch() -> None:
 
 
 def test_max_tokens_resolution() -> None:
-    """Unset max_tokens fills the context (or the default); over-long asks name limit and length."""
+    """Unset max_tokens fills the context (or the default); an ask past the room the prompt
+    leaves is cut to it (vLLM 0.32's `get_max_tokens`); a prompt that leaves no room, or an ask
+    past the whole context, is a 400 naming the limit."""
     assert p.resolve_max_tokens(None, None, 10, 100, "messages") == 90
     assert p.resolve_max_tokens(None, 16, 95, 100, "prompt") == 5
     assert p.resolve_max_tokens(7, 16, 10, 100, "prompt") == 7
+    assert p.resolve_max_tokens(95, 16, 10, 100, "prompt") == 90
+    assert p.resolve_max_tokens(100, 16, 99, 100, "prompt") == 1
+    for prompt_len in (100, 120):
+        with pytest.raises(APIError) as e:
+            p.resolve_max_tokens(None, 16, prompt_len, 100, "prompt")
+        assert "100" in e.value.message and str(prompt_len) in e.value.message
+        assert e.value.param == "prompt"
     with pytest.raises(APIError) as e:
-        p.resolve_max_tokens(None, 16, 120, 100, "prompt")
-    assert "100" in e.value.message and "120" in e.value.message and e.value.param == "prompt"
-    with pytest.raises(APIError) as e:
-        p.resolve_max_tokens(95, 16, 10, 100, "prompt")
-    assert e.value.param == "max_tokens" and "95" in e.value.message
+        p.resolve_max_tokens(101, 16, 10, 100, "messages", "max_completion_tokens")
+    assert e.value.param == "max_completion_tokens" and "101" in e.value.message
 
 
 def test_error_body_is_openai_shaped() -> None:

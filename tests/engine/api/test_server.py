@@ -415,6 +415,26 @@ def test_chat_goes_through_the_template(server: Server, offline: LLM) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
 
 
+def test_an_ask_past_the_room_left_is_cut_to_it(server: Server) -> None:
+    """As vLLM: max_tokens (or max_completion_tokens) past what the prompt leaves of the
+    context generates up to the context's end and stops with "length"."""
+    prompt = [5] * (MAX_MODEL_LEN - 6)
+    done = server.client().completions.create(
+        model=NAME, prompt=prompt, max_tokens=MAX_MODEL_LEN, extra_body={"ignore_eos": True}
+    )
+    assert done.usage is not None and done.usage.completion_tokens == 6
+    assert done.choices[0].finish_reason == "length"
+    chat = server.client().chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "hi " * 400}],
+        max_completion_tokens=MAX_MODEL_LEN,
+        extra_body={"ignore_eos": True},
+    )
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == MAX_MODEL_LEN
+    assert chat.choices[0].finish_reason == "length"
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 
@@ -429,6 +449,8 @@ def test_error_statuses_and_shapes(server: Server) -> None:
     assert err["param"] == "n"
     err = expect_error(httpx.post(url, json={"prompt": [5] * 1100}), 400)
     assert str(MAX_MODEL_LEN) in err["message"] and "1100" in err["message"]
+    err = expect_error(httpx.post(url, json={"prompt": "x", "max_tokens": MAX_MODEL_LEN + 1}), 400)
+    assert err["param"] == "max_tokens" and str(MAX_MODEL_LEN) in err["message"]
     expect_error(httpx.post(url, json={"prompt": "x" * 200_000}), 413)
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=NAME, prompt="x", top_p=0)
