@@ -529,7 +529,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[ChatCompletionTool] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without (vLLM)
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # False: the first call only (vLLM)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # vLLM's: documents a retrieval-augmented template renders (each a dict, often with

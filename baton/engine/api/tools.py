@@ -82,7 +82,7 @@ def forced_tool_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if not req.parallel_tool_calls:
+    if req.parallel_tool_calls is False:
         schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
@@ -106,6 +106,7 @@ class OutputMode:
     forced: bool  # required or named: the grammar made it a call
     reasoning: ReasoningParser | None
     think_state: ThinkState
+    parallel: bool = True  # False (`parallel_tool_calls: false`): the first call only
 
 
 def output_mode(req: ChatCompletionRequest, config: ToolConfig, prompt: str) -> OutputMode:
@@ -122,9 +123,8 @@ def output_mode(req: ChatCompletionRequest, config: ToolConfig, prompt: str) -> 
         parser = config.tool_parser
     reasoning = config.reasoning_parser
     state: ThinkState = "closed" if reasoning is None else reasoning.state_after(prompt)
-    return OutputMode(
-        parser, isinstance(parser, (NamedToolParser, RequiredToolParser)), reasoning, state
-    )
+    forced = isinstance(parser, (NamedToolParser, RequiredToolParser))
+    return OutputMode(parser, forced, reasoning, state, req.parallel_tool_calls is not False)
 
 
 def constraint(
@@ -188,7 +188,11 @@ class ChoiceParser:
             reasoning, content = split.reasoning, split.content
         if self.mode.tool_parser is None:
             return reasoning, Parsed(content)
-        return reasoning, self.mode.tool_parser.parse(content, final)
+        parsed = self.mode.tool_parser.parse(content, final)
+        if not self.mode.parallel and len(parsed.calls) > 1:
+            # vLLM's answer to `parallel_tool_calls: false`: the calls after the first dropped.
+            parsed = Parsed(parsed.content, parsed.calls[:1])
+        return reasoning, parsed
 
     def message(self, text: str) -> Message:
         """The whole answer (what a non-streamed response says)."""

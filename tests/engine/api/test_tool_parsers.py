@@ -36,10 +36,15 @@ MISTRAL = (
 )
 
 
-def _mode(parser: ToolParser | None, reasoning: str | None = None, state: Any = "auto") -> Any:
+def _mode(
+    parser: ToolParser | None,
+    reasoning: str | None = None,
+    state: Any = "auto",
+    parallel: bool = True,
+) -> Any:
     r = reasoning_parser(reasoning) if reasoning else None
     forced = isinstance(parser, (NamedToolParser, RequiredToolParser))
-    return tools.OutputMode(parser, forced, r, state if r else "closed")
+    return tools.OutputMode(parser, forced, r, state if r else "closed", parallel)
 
 
 def _calls(message: tools.Message) -> list[tuple[str, Any]]:
@@ -66,6 +71,19 @@ def test_text_without_calls_is_all_content(name: str) -> None:
     text = "The weather in Paris is mild {not json} [TOOL_CALLS"
     message = tools.ChoiceParser(_mode(tool_parser(name))).message(text)
     assert message.calls == [] and message.content == text
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [("hermes", HERMES), ("llama3_json", LLAMA), ("mistral", MISTRAL)]
+)
+def test_parallel_tool_calls_false_keeps_the_first_call(name: str, text: str) -> None:
+    """`parallel_tool_calls: false` answers with the first call only, as vLLM does (it drops
+    the others), whole and streamed; the content is the same as with every call."""
+    whole = tools.ChoiceParser(_mode(tool_parser(name))).message(text)
+    first = tools.ChoiceParser(_mode(tool_parser(name), parallel=False)).message(text)
+    assert _calls(first) == [("get_weather", WEATHER)] and first.content == whole.content
+    streamed = _streamed(_mode(tool_parser(name), parallel=False), text, list(range(len(text))))
+    assert streamed["calls"] == [{"name": "get_weather", "arguments": json.dumps(WEATHER)}]
 
 
 def test_a_call_that_does_not_parse_stays_content() -> None:
@@ -168,6 +186,8 @@ CASES = [
         '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]',
     ),
     (lambda: _mode(RequiredToolParser()), '[{"name": "a", "parameters": {"x": '),
+    (lambda: _mode(tool_parser("hermes"), parallel=False), HERMES + "\nDone."),
+    (lambda: _mode(tool_parser("mistral"), parallel=False), MISTRAL),
     (lambda: _mode(NamedToolParser("f")), '{"city": "Paris"}'),
     (lambda: _mode(tool_parser("hermes"), "qwen3"), "<think>plan a call</think>\n\n" + HERMES),
     (lambda: _mode(tool_parser("hermes"), "qwen3"), "no thinking, " + HERMES),
