@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+from baton.version import __version__
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

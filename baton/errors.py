@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from http import HTTPStatus
 from typing import Any
 
 from starlette.responses import Response
@@ -39,7 +40,7 @@ class APIError(Exception):
         return cls(400, str(error), param or (match.group(1) if match else None))
 
     def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "InternalServerError")
+        kind = ERROR_TYPES.get(self.status) or _type_of(self.status)
         error = {"message": self.message, "type": kind, "param": self.param, "code": self.status}
         return {"object": "error", "error": error}
 
@@ -51,3 +52,11 @@ class APIError(Exception):
     def sse(self) -> bytes:
         """The error as a server-sent event, for a stream whose headers already went out."""
         return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def _type_of(status: int) -> str:
+    """A status outside ERROR_TYPES by its HTTP phrase (405: MethodNotAllowed)."""
+    try:
+        return HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "")
+    except ValueError:
+        return "InternalServerError" if status >= 500 else "BadRequestError"

@@ -196,6 +196,7 @@ def test_an_unknown_path_or_method_is_an_openai_error() -> None:
         wrong = client.get("/v1/completions")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert wrong.json()["error"]["type"] == "MethodNotAllowed"
     assert "POST" in wrong.headers["allow"]
 
 

@@ -46,6 +46,7 @@ from baton.http_server import (
     run,
 )
 from baton.tracing import NO_NATIVE_TELEMETRY, RequestTracing, check_endpoint
+from baton.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,11 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         """The tokenizer this engine tokenizes with (tokenizer.json, named special tokens, chat
         templates): the router's copy, so that its block hashes are this engine's."""
         return JSONResponse(server.tokenizer.to_wire())
+
+    @app.get("/version")
+    async def version() -> Response:
+        """This server's version, as vLLM's `/version` gives its own."""
+        return JSONResponse({"version": __version__})
 
     @app.get("/v1/models", response_model=r.ModelList)
     async def models() -> r.ModelList:

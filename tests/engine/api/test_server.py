@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -506,6 +507,9 @@ def test_tokenize_detokenize_models_openapi(server: Server, offline: LLM) -> Non
     assert [m.id for m in models.data] == [NAME]
     schema = httpx.get(f"{server.url}/openapi.json").json()
     assert {"/v1/completions", "/v1/chat/completions", "/metrics"} <= set(schema["paths"])
+    assert httpx.get(f"{server.url}/version").json() == {"version": metadata.version("baton")}
+    wrong = expect_error(httpx.get(f"{server.url}/v1/completions"), 405)
+    assert wrong["type"] == "MethodNotAllowed"
 
 
 def test_metrics_use_vllm_names(server: Server) -> None:
