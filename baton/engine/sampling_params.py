@@ -91,6 +91,8 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         _check_float("temperature", self.temperature, lo=0.0, hi=None)
+        if self.n > 1 and self.greedy:  # n identical answers: vLLM's error, its words
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=0)
         _check_float("min_p", self.min_p, lo=0.0, hi=1.0)

@@ -267,7 +267,10 @@ def test_bad_kv_transfer_params_are_400(prefill: Server, decode: Server) -> None
     )
     assert "role" in error["message"]
     error = expect_error(
-        _complete(prefill, [1, 2], kv_transfer_params={"do_remote_decode": True}, n=2), 400
+        _complete(
+            prefill, [1, 2], kv_transfer_params={"do_remote_decode": True}, n=2, temperature=1.0
+        ),
+        400,
     )
     assert "n=1" in error["message"]
     policy = {"do_remote_decode": True, "kv_load_failure_policy": "retry"}

@@ -46,7 +46,7 @@ def test_request_extras_reach_sampling_params() -> None:
     """vLLM's extra sampling fields are passed through unchanged."""
     req = p.CompletionRequest(
         prompt=[1, 2],
-        temperature=0,
+        temperature=0.5,
         top_k=5,
         min_p=0.1,
         repetition_penalty=1.2,
@@ -58,10 +58,19 @@ def test_request_extras_reach_sampling_params() -> None:
         logprobs=2,
     )
     params = req.to_sampling_params(8)
-    assert params.greedy and params.top_k == 5 and params.min_p == 0.1
+    assert params.temperature == 0.5 and params.top_k == 5 and params.min_p == 0.1
     assert params.repetition_penalty == 1.2 and params.min_tokens == 2 and params.ignore_eos
     assert params.stop_token_ids == [7] and params.seed == 3 and params.n == 2
     assert params.logprobs == 2
+
+
+def test_several_greedy_answers_are_vllms_400() -> None:
+    """n > 1 at temperature 0 would be n copies of one answer: vLLM refuses it, in these words."""
+    with pytest.raises(APIError) as e:
+        p.CompletionRequest(prompt=[1, 2], temperature=0, n=2).to_sampling_params(8)
+    assert e.value.status == 400 and e.value.param == "n"
+    assert e.value.message == "n must be 1 when using greedy sampling, got 2."
+    assert p.CompletionRequest(prompt=[1], temperature=0, n=1).to_sampling_params(8).greedy
 
 
 def test_chat_logprobs_map_to_top_logprobs() -> None:
