@@ -135,10 +135,13 @@ class Tokenizer:
                 "continue_final_message and add_generation_prompt cannot both be set: the first "
                 "goes on with the last message, the second opens a new assistant message"
             )
-        template = _compile(self._pick_template(chat_template, tools))
+        source = self._pick_template(chat_template, tools)
+        template = _compile(source)
         # As in transformers: a None field is left out (templates test for missing keys, and
         # would render "None"), and tools and documents are always defined, None when absent.
         conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        if any(m["role"] == "developer" for m in conversation) and not _knows_developer(source):
+            conversation = _developer_as_system(conversation)
         if continue_final_message:
             _mark_final_message(conversation)
         text = template.render(
@@ -167,6 +170,37 @@ class Tokenizer:
                 f"the model has several chat templates and none named default: {sorted(named)}"
             )
         raise ValueError("the model's tokenizer has no chat template")
+
+
+def _knows_developer(template: str) -> bool:
+    """Whether a template names OpenAI's `developer` role (vLLM's test: the quoted name)."""
+    return '"developer"' in template or "'developer'" in template
+
+
+def _developer_as_system(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What vLLM renders for a template that knows no `developer` role: developer messages
+    become system ones (without their `tools`), and when that leaves a system message past
+    the first place, or several, their texts join ("\n\n") in one system message first."""
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in conversation
+    ]
+    positions = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if positions in ([], [0]):
+        return converted
+    texts = [_text_of(converted[i].get("content", "")) for i in positions]
+    merged = {"role": "system", "content": "\n\n".join(t for t in texts if t)}
+    return [merged, *(m for m in converted if m["role"] != "system")]
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as text: a list of parts joins its text parts ("\n")."""
+    if not isinstance(content, list):
+        return str(content)
+    parts = [p["text"] if isinstance(p, dict) else p for p in content]
+    return "\n".join(p for p in parts if isinstance(p, str))
 
 
 # Marks where the final message's text ends, for `continue_final_message`: the space after it

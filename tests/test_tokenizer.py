@@ -221,6 +221,41 @@ def test_raise_exception_and_bad_messages(tiny_model) -> None:
         Tokenizer(ours.backend).apply_chat_template(CONVERSATIONS[0])
 
 
+def test_a_developer_message_is_a_system_one_where_the_template_knows_no_developer(
+    tiny_model,
+) -> None:
+    """OpenAI's `developer` role, as vLLM renders it: for a template that does not name it, a
+    system message, with every system message merged into one first; a template that names it
+    gets it as it is."""
+    ours = load_tokenizer(tiny_model("qwen2"))
+    plain = "{% for m in messages %}[{{ m.role }}: {{ m.content }}]{% endfor %}"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": "dev", "tools": [{"x": 1}]},
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "sys"}, {"type": "text", "text": "2"}],
+        },
+    ]
+    rendered = ours.apply_chat_template(messages, chat_template=plain, tokenize=False)
+    assert rendered == "[system: dev\n\nsys\n2][user: hi]"
+    first = [{"role": "developer", "content": "be nice"}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(first, chat_template=plain, tokenize=False) == (
+        "[system: be nice][user: hi]"
+    )
+    knows = (
+        "{% for m in messages %}{% if m.role == 'developer' %}D{% endif %}"
+        "[{{ m.role }}]{% endfor %}"
+    )
+    assert ours.apply_chat_template(messages, chat_template=knows, tokenize=False) == (
+        "[user]D[developer][system]"
+    )
+    ordinary = [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]
+    assert ours.apply_chat_template(ordinary, chat_template=plain, tokenize=False) == (
+        "[user: a][system: late]"
+    )
+
+
 def _copy_tokenizer(src: Path, dst: Path, **config: Any) -> Path:
     dst.mkdir()
     (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
