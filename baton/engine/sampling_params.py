@@ -90,7 +90,7 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        _check_float("temperature", self.temperature, lo=0.0, hi=None)
+        _check_float("temperature", self.temperature, lo=0.0, hi=2.0)  # vLLM's and OpenAI's
         if self.n > 1 and self.greedy:  # n identical answers: vLLM's error, its words
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         _check_float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)

@@ -14,7 +14,9 @@ from baton import SamplingParams
         ({"max_tokens": 0}, "max_tokens must be >= 1"),
         ({"min_tokens": -1}, "min_tokens must be >= 0"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens must be <= max_tokens"),
-        ({"temperature": -0.5}, r"temperature must be in \[0.0, inf\)"),
+        ({"temperature": -0.5}, r"temperature must be in \[0.0, 2.0\]"),
+        ({"temperature": 2.5}, r"temperature must be in \[0.0, 2.0\]"),  # vLLM's bound
+        ({"n": 2, "temperature": 0.0}, "n must be 1 when using greedy sampling, got 2"),
         ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k must be >= 0"),

@@ -108,6 +108,7 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 # What the engine's wire format carries: larger integers cannot reach the EngineCore.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 MAX_N = 128  # OpenAI's bound; n samples are n engine requests, so n is a cost a client sets
+MAX_STOP_STRINGS = 4  # OpenAI's bound, and vLLM's (its VLLM_MAX_STOP_STRINGS)
 
 
 class _GenerationRequest(OpenAIBaseModel):
@@ -116,7 +117,7 @@ class _GenerationRequest(OpenAIBaseModel):
     model: str | None = None
     n: Annotated[int, Field(le=MAX_N)] = 1
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
@@ -62,6 +63,13 @@ def test_request_extras_reach_sampling_params() -> None:
     assert params.repetition_penalty == 1.2 and params.min_tokens == 2 and params.ignore_eos
     assert params.stop_token_ids == [7] and params.seed == 3 and params.n == 2
     assert params.logprobs == 2
+
+
+def test_at_most_four_stop_strings() -> None:
+    """OpenAI's and vLLM's bound on `stop`: a fifth string is a validation error (a 400)."""
+    assert p.CompletionRequest(prompt="hi", stop=["a", "b", "c", "d"]).stop == ["a", "b", "c", "d"]
+    with pytest.raises(ValidationError):
+        p.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stop=list("abcde"))
 
 
 def test_several_greedy_answers_are_vllms_400() -> None:
