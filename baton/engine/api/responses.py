@@ -114,11 +114,15 @@ class AssistantMessage(BaseModel):
 
     @model_serializer(mode="wrap")
     def _set_fields_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # The tool and reasoning fields appear when the request used them (vLLM's message has
-        # them always; a plain chat answer keeps OpenAI's two-field message).
+        # The reasoning fields appear when the request used a reasoning parser (a plain chat
+        # answer keeps OpenAI's two-field message); `tool_calls` when there are calls, as vLLM
+        # leaves an empty list out.
         data: dict[str, Any] = handler(self)
-        optional = ("reasoning_content", "reasoning", "tool_calls")
-        return {k: v for k, v in data.items() if k not in optional or k in self.model_fields_set}
+        optional = ("reasoning_content", "reasoning")
+        data = {k: v for k, v in data.items() if k not in optional or k in self.model_fields_set}
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
