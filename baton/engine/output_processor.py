@@ -94,6 +94,7 @@ class OutputProcessor:
             sample = parent.samples[out.request_id]
             req = parent.output
             req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+            req.num_external_tokens = max(req.num_external_tokens, out.num_external_tokens)
             if out.queue_time is not None and req.queue_time is None:
                 req.queue_time = out.queue_time
             if out.prefill_time is not None and req.prefill_time is None:

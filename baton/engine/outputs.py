@@ -39,7 +39,8 @@ class RequestOutput:
     # With `prompt_logprobs`: one entry per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished: bool = False
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in this engine's prefix cache
+    num_external_tokens: int = 0  # prompt tokens whose KV a prefill engine handed over
     queue_time: float | None = None  # seconds from arrival to first scheduled
     prefill_time: float | None = None  # seconds from first scheduled to the first token
     # A prefill engine's answer: where the decode engine pulls this prompt's KV from.

@@ -109,6 +109,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_cached_tokens: int = 0
+    num_external_tokens: int = 0  # prompt tokens whose KV was pulled from a prefill engine
     queue_time: float | None = None  # seconds from arrival to first scheduled, on the first output
     prefill_time: float | None = None  # seconds from first scheduled to the first token, with it
     # On the last output of a prefill request whose KV is leased to a decode engine.

@@ -92,6 +92,7 @@ class Request:
         # synchronous loop, two with async scheduling (step N+1 is scheduled before N returns).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 until then
+        self.num_external_tokens = 0  # prompt tokens whose KV a prefill engine handed over
         self.first_scheduled_time: float | None = None
         # Block hashes of the full blocks of all_token_ids, extended as tokens are appended; the
         # first block's chain starts at the salt (`baton.block_hash.salt_root`).

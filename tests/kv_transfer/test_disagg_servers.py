@@ -31,6 +31,8 @@ pytestmark = pytest.mark.slow
 BLOCK = "8"
 MAX_TOKENS = 6
 
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model: Any) -> Path:
@@ -167,6 +169,12 @@ def test_disaggregated_answers_equal_the_single_engine(
         assert params["lease_expires_at"] > time.time()
     metrics = decode.metrics()
     assert metrics["baton:kv_transfer_bytes_total{}"] > 0
+    # vLLM's prompt-token sources: the hand-offs' tokens came from the prefill engine.
+    source = {s: metrics[f'vllm:prompt_tokens_by_source_total{{source="{s}"}}'] for s in SOURCES}
+    assert source["external_kv_transfer"] > 0
+    assert sum(source.values()) == metrics["vllm:prompt_tokens_total{}"]
+    cached = source["external_kv_transfer"] + source["local_cache_hit"]
+    assert metrics["vllm:prompt_tokens_cached_total{}"] == cached
     assert not [k for k in metrics if k.startswith("baton:kv_transfer_failures_total")]
     _wait_for(
         lambda: prefill.metrics()["baton:kv_blocks_leased{}"] == 0,

@@ -36,6 +36,8 @@ _PREFILL_TOKEN_BUCKETS = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 
 _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _N_BUCKETS = [1.0, 2.0, 5.0, 10.0, 20.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Where a prompt token's KV came from (vLLM's `vllm:prompt_tokens_by_source` labels).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Transfer times from a small block run on loopback to a large prompt over a slow link.
 _KV_TRANSFER_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                         2.5, 5.0, 10.0, 30.0]  # fmt: skip
@@ -179,6 +181,16 @@ class EngineMetrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*_LABELS, "source"],
+            registry=reg,
+        )
+        self.prompt_tokens_by_source = {s: by_source.labels(*labels, s) for s in PROMPT_SOURCES}
+        self.prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -188,6 +200,11 @@ class EngineMetrics:
         self.request_success = {r: success.labels(*labels, r) for r in FINISH_REASONS}
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_prefill_kv_computed_tokens = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
         )
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens",
@@ -336,6 +353,7 @@ class RequestTimer:
         self.last_token_time = 0.0
         self.num_tokens = num_resumed_tokens  # generated so far, over all samples
         self.finished: set[int] = set()  # indices of the samples that finished
+        self.num_computed_prompt_tokens: int | None = None  # known at the first token
 
     def on_output(self, out: RequestOutput) -> None:
         m = self.metrics
@@ -348,6 +366,7 @@ class RequestTimer:
                 self.first_token_time = now
                 m.ttft.observe(now - self.arrival)
                 m.prompt_tokens.inc(self.num_prompt_tokens)
+                self._count_prompt_sources(out)
             else:
                 m.itl.observe(now - self.last_token_time)
             m.generation_tokens.inc(num_tokens - self.num_tokens)
@@ -359,6 +378,18 @@ class RequestTimer:
         if out.finished:
             self._on_finished(out, now)
 
+    def _count_prompt_sources(self, out: RequestOutput) -> None:
+        """The prompt's tokens by where their KV came from, as vLLM counts them: this engine's
+        prefix cache, a prefill engine's hand-off, or computed here."""
+        m = self.metrics
+        local = min(out.num_cached_tokens, self.num_prompt_tokens)
+        external = min(out.num_external_tokens, self.num_prompt_tokens - local)
+        self.num_computed_prompt_tokens = self.num_prompt_tokens - local - external
+        m.prompt_tokens_cached.inc(local + external)
+        m.prompt_tokens_by_source["local_cache_hit"].inc(local)
+        m.prompt_tokens_by_source["external_kv_transfer"].inc(external)
+        m.prompt_tokens_by_source["local_compute"].inc(self.num_computed_prompt_tokens)
+
     def _on_finished(self, out: RequestOutput, now: float) -> None:
         m = self.metrics
         m.e2e.observe(now - self.arrival)
@@ -367,6 +398,8 @@ class RequestTimer:
         longest = max((len(s.token_ids) for s in out.outputs), default=0)
         longest = max(0, longest - self.num_resumed_tokens)
         m.request_prompt_tokens.observe(self.num_prompt_tokens)
+        if self.num_computed_prompt_tokens is not None:
+            m.request_prefill_kv_computed_tokens.observe(self.num_computed_prompt_tokens)
         m.request_generation_tokens.observe(self.num_tokens - self.num_resumed_tokens)
         m.request_max_num_generation_tokens.observe(longest)
         m.request_params_n.observe(self.num_samples)

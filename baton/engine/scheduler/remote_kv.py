@@ -116,6 +116,11 @@ class RemoteKV:
                 continue
             if result.ok:
                 request.num_computed_tokens = request.num_prompt_tokens - 1
+                # The pull filled all but the local hit (num_cached_tokens, set at the start)
+                # and the last prompt token, which this engine computes for its logits.
+                request.num_external_tokens = request.num_computed_tokens - max(
+                    request.num_cached_tokens, 0
+                )
                 self.kv.cache_blocks(request)
                 request.status = RequestStatus.WAITING
                 update.resume.append(request)

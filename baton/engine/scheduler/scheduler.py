@@ -607,6 +607,7 @@ def _output(
         finish_reason=request.status.finish_reason,
         stop_reason=request.stop_reason,
         num_cached_tokens=request.num_cached_tokens,
+        num_external_tokens=request.num_external_tokens,
         queue_time=_queue_time(request) if first else None,
         prefill_time=_prefill_time(request) if first else None,
         kv_transfer_params=kv_params,

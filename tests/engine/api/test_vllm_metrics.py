@@ -49,9 +49,12 @@ HISTOGRAMS: dict[str, Sequence[float]] = {
     "vllm:request_inference_time_seconds": LATENCY,
     "vllm:request_prefill_time_seconds": LATENCY,
     "vllm:request_decode_time_seconds": LATENCY,
+    "vllm:request_prefill_kv_computed_tokens": TOKENS,
 }
 COUNTERS = [
     "vllm:prompt_tokens",
+    "vllm:prompt_tokens_by_source",
+    "vllm:prompt_tokens_cached",
     "vllm:generation_tokens",
     "vllm:request_success",
     "vllm:num_preemptions",
@@ -194,6 +197,14 @@ def test_the_vllm_v1_metric_set_agrees_with_the_requests(server: Server) -> None
     assert delta("vllm:generation_tokens_total") == completion_tokens == 2 * 5 + 4 + 3
     assert delta("vllm:request_prompt_tokens_count") == 3
     assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    sources = {
+        s: delta("vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    assert sum(sources.values()) == prompt_tokens and sources["external_kv_transfer"] == 0
+    assert delta("vllm:prompt_tokens_cached_total") == sources["local_cache_hit"]
+    assert delta("vllm:request_prefill_kv_computed_tokens_count") == 3
+    assert delta("vllm:request_prefill_kv_computed_tokens_sum") == sources["local_compute"]
     assert delta("vllm:request_generation_tokens_sum") == completion_tokens
     assert delta("vllm:request_max_num_generation_tokens_sum") == 5 + 4 + 3
     assert delta("vllm:request_params_max_tokens_sum") == 5 + 4 + 3
