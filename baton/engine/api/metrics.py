@@ -11,7 +11,7 @@ outputs stream through it (`RequestTimer`), unless `--disable-log-stats` turned 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -169,6 +169,11 @@ class EngineMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, _LABELS, registry=reg).labels(*labels)
 
+        def counters(name: str, doc: str, label: tuple[str, Sequence[str]]) -> dict[str, Counter]:
+            """A counter with one more label: its child for each of the label's values."""
+            family = Counter(name, doc, [*_LABELS, label[0]], registry=reg)
+            return {value: family.labels(*labels, value) for value in label[1]}
+
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, _LABELS, registry=reg, buckets=buckets).labels(*labels)
 
@@ -181,23 +186,19 @@ class EngineMetrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        by_source = Counter(
+        self.prompt_tokens_by_source = counters(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
-            [*_LABELS, "source"],
-            registry=reg,
+            ("source", PROMPT_SOURCES),
         )
-        self.prompt_tokens_by_source = {s: by_source.labels(*labels, s) for s in PROMPT_SOURCES}
         self.prompt_tokens_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        success = Counter(
+        self.request_success = counters(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*_LABELS, "finished_reason"],
-            registry=reg,
+            ("finished_reason", FINISH_REASONS),
         )
-        self.request_success = {r: success.labels(*labels, r) for r in FINISH_REASONS}
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
         )
