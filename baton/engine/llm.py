@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from baton.engine.config import EngineArgs
 from baton.engine.core import EngineCore
+from baton.engine.generation_config import check_source, sampling_defaults
 from baton.engine.output_processor import OutputProcessor
 from baton.engine.outputs import RequestOutput
 from baton.engine.processor import check_prompt_token_ids, child_requests
@@ -22,7 +23,17 @@ PromptType = str | dict[str, Any]
 class LLM:
     """Runs an engine in this process and generates for batches of prompts."""
 
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`generation_config` and its override choose `get_default_sampling_params` as vLLM's
+        options of the same names do (baton.engine.generation_config)."""
+        check_source(generation_config)
         self.engine_args = EngineArgs(model=model, **engine_args)
         self.engine = EngineCore(self.engine_args)
         self.tokenizer = load_tokenizer(
@@ -30,6 +41,9 @@ class LLM:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        self._sampling_defaults = sampling_defaults(
+            self.engine.model_path, generation_config, override_generation_config
+        )
 
     def shutdown(self) -> None:
         """Stops the engine's worker processes, if it has any (also done when collected)."""
@@ -37,6 +51,11 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no params: the model's generation config's
+        fields, vLLM's defaults for the rest."""
+        return SamplingParams(**self._sampling_defaults)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets the prefix cache; False, changing nothing, while a request holds blocks."""
@@ -60,7 +79,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -154,6 +154,20 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="split <think>...</think> reasoning into reasoning_content (vLLM's names)",
     )
+    parser.add_argument(
+        "--generation-config",
+        default=s.generation_config,
+        help="where a request's default sampling fields come from (vLLM's flag): auto, the "
+        "model's generation_config.json; vllm, vLLM's neutral defaults; or a folder holding a "
+        "generation_config.json",
+    )
+    parser.add_argument(
+        "--override-generation-config",
+        type=_json_object_text,
+        default=None,
+        help="sampling defaults on top of those, as JSON (vLLM's flag), e.g. '{\"temperature\": "
+        "0.5}'",
+    )
     add_tracing_args(parser)
     k = KVTransferConfig
     parser.add_argument(
@@ -219,6 +233,17 @@ def _structured_outputs_json(text: str) -> str:
     return text
 
 
+def _json_object_text(text: str) -> str:
+    """A flag's JSON object, checked; kept as text for `baton serve` to pass on as given."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object")
+    return text
+
+
 def _kv_events_config(text: str | None) -> KVEventsConfig | None:
     return None if text is None else parse_config(text)
 
@@ -262,6 +287,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfi
         args,
         access_log=not args.disable_uvicorn_access_log,
         api_keys=api_keys_from_args(args),
+        override_generation_config=(
+            None
+            if args.override_generation_config is None
+            else json.loads(args.override_generation_config)
+        ),
     )
     model = engine.model
     if (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -281,14 +282,19 @@ class _GenerationRequest(OpenAIBaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """vLLM's defaults for what the request leaves out; range errors become 400s.
+        """For what the request leaves out, the server's `defaults` (the model's generation
+        config), else vLLM's; range errors become 400s.
 
         Bad words stay unset (their ids need the tokenizer: `constraints.bad_words_token_ids`)
         and no token id is checked against the vocabulary here (`constraints.check_token_ids`).
         """
-        defaults: dict[str, float] = {
+        neutral: dict[str, float] = {
             "temperature": 1.0,
             "top_p": 1.0,
             "top_k": 0,
@@ -297,8 +303,10 @@ class _GenerationRequest(OpenAIBaseModel):
             "frequency_penalty": 0.0,
             "repetition_penalty": 1.0,
         }
+        server = defaults or {}
         values = {
-            k: d if getattr(self, k) is None else getattr(self, k) for k, d in defaults.items()
+            k: server.get(k, d) if getattr(self, k) is None else getattr(self, k)
+            for k, d in neutral.items()
         }
         constraint = self.structured_outputs_params()
         try:
@@ -317,7 +325,7 @@ class _GenerationRequest(OpenAIBaseModel):
                 logit_bias=_logit_bias(self.logit_bias),
                 allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=constraint,
-                **values,  # type: ignore[arg-type]
+                **values,
             )
         except ValueError as e:
             raise APIError.from_value_error(e) from None
@@ -420,7 +428,9 @@ class CompletionRequest(_GenerationRequest):
         """`echo` with `max_tokens=0`: the prompt (and its logprobs) is the whole answer."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         # vLLM's: echo asks for the prompt's logprobs as `logprobs` asks for the output's, and
         # echo without generation still runs one step (its token is discarded), since the
         # prompt's logprobs come from the step that computes it.
@@ -428,7 +438,7 @@ class CompletionRequest(_GenerationRequest):
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
         max_tokens = 1 if self.echo_only() else max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ContentPart(OpenAIBaseModel):
@@ -604,10 +614,12 @@ class ChatCompletionRequest(_GenerationRequest):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+            return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
         except APIError as e:
             if e.param == "logprobs":
                 e.param = "top_logprobs"

@@ -34,6 +34,7 @@ from baton.engine.api.tool_parsers import tool_parser
 from baton.engine.api.tools import ToolConfig
 from baton.engine.async_llm import AsyncLLM
 from baton.engine.config import EngineArgs
+from baton.engine.generation_config import check_source, sampling_defaults
 from baton.errors import APIError
 from baton.http_metrics import HTTPMetrics
 from baton.http_server import (
@@ -77,6 +78,10 @@ class ServerConfig(ListenConfig):
     tool_call_parser: str | None = None  # a name in tool_parsers.TOOL_PARSERS
     reasoning_parser: str | None = None  # a name in reasoning.REASONING_PARSERS
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for spans (vLLM's flag)
+    # Where requests' sampling defaults come from (vLLM's flags): "auto" the model folder's
+    # generation_config.json, "vllm" none, or a folder's; the override's fields on top.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     access_log: bool = True
     uvicorn_log_level: str = "info"
 
@@ -88,6 +93,7 @@ class ServerConfig(ListenConfig):
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         self.tool_config()  # an unknown parser name stops the start, naming the known ones
         check_endpoint(self.otlp_traces_endpoint)
+        check_source(self.generation_config)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
@@ -150,6 +156,23 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
+def _sampling_defaults(llm: AsyncLLM, config: ServerConfig) -> dict[str, Any]:
+    """The model's recommended sampling defaults, said in the log as vLLM says them."""
+    defaults = sampling_defaults(
+        llm.model_path, config.generation_config, config.override_generation_config
+    )
+    if defaults and config.generation_config != "vllm":
+        logger.warning(
+            "Default sampling parameters have been overridden by %s: %s. If this is not "
+            "intended, start the server with `--generation-config vllm`.",
+            "the model's generation_config.json"
+            if config.generation_config == "auto"
+            else config.generation_config,
+            defaults,
+        )
+    return defaults
+
+
 def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `llm`; `app.state.server` is its `EngineServer`."""
     server = EngineServer(
@@ -162,6 +185,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         tool_config=config.tool_config(),
         log_stats=not config.disable_log_stats,
         otlp_traces_endpoint=config.otlp_traces_endpoint,
+        sampling_defaults=_sampling_defaults(llm, config),
     )
     app = FastAPI(
         title="Baton engine",

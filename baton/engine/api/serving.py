@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -96,9 +96,11 @@ class EngineServer:
         tool_config: ToolConfig | None = None,  # tool calling and reasoning parsers
         log_stats: bool = True,  # False: no per-request metrics (vLLM's --disable-log-stats)
         otlp_traces_endpoint: str | None = None,  # where spans go (None: nowhere, no cost)
+        sampling_defaults: Mapping[str, Any] | None = None,  # the model's generation config's
     ) -> None:
         self.tool_config = tool_config or ToolConfig()
         self.llm = llm
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.prompt_tokens_details = prompt_tokens_details
         self._validator: constraints.ConstraintValidator | None = None  # made on first use
         self._validator_error: str | None = None
@@ -418,7 +420,7 @@ class EngineServer:
             self._check_prompt(ids, "prompt")
             if text is None and req.echo:  # only once the ids are known to be in the vocabulary
                 text = self.tokenizer.decode(ids)
-            params = req.to_sampling_params(max_tokens)
+            params = req.to_sampling_params(max_tokens, self.sampling_defaults)
             self._check_resume(req, ids, params)
             inputs.append(((text, ids), params))
         await self._finish_params(req, [params for _, params in inputs])
@@ -549,12 +551,17 @@ class EngineServer:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         ids = self._truncate(ids, req.truncate_prompt_tokens)
         max_tokens = p.resolve_max_tokens(
-            req.requested_max_tokens(), None, len(ids), self.llm.max_model_len, "messages", param
+            req.requested_max_tokens(),
+            self.sampling_defaults.get("max_tokens"),
+            len(ids),
+            self.llm.max_model_len,
+            "messages",
+            param,
         )
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
         decode = self._logprob_tokens(req)
-        params = req.to_sampling_params(max_tokens)
+        params = req.to_sampling_params(max_tokens, self.sampling_defaults)
         self._check_resume(req, ids, params)
         params.structured_outputs = tools.constraint(
             req, mode, req.structured_outputs_params(), self._think_end_ids(mode)

@@ -469,6 +469,29 @@ def test_chat_stream_shape() -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_the_models_generation_config_sets_the_defaults(tmp_path: Path) -> None:
+    """As vLLM: a field the request leaves out takes the model's generation_config.json value
+    (a chat's max_tokens its max_new_tokens); what the request sets wins; `--generation-config
+    vllm` keeps vLLM's neutral defaults."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.0, "top_p": 0.9, "top_k": 20, "max_new_tokens": 3})
+    )
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for source, want in (
+        ("auto", (0.0, 0.9, 20, 3)),
+        ("vllm", (1.0, 1.0, 0, 64 - len("<user>hi<assistant>"))),
+    ):
+        llm = FakeLLM()
+        llm.model_path = tmp_path
+        app = _app(llm, generation_config=source)
+        assert _call(app, "POST", "/v1/chat/completions", json=chat).status_code == 200
+        asked = {**chat, "temperature": 0.5, "max_tokens": 2}
+        assert _call(app, "POST", "/v1/chat/completions", json=asked).status_code == 200
+        left, set_ = llm.seen[0][2], llm.seen[1][2]
+        assert (left.temperature, left.top_p, left.top_k, left.max_tokens) == want, source
+        assert (set_.temperature, set_.top_p, set_.max_tokens) == (0.5, want[1], 2)
+
+
 def test_chat_response_shape() -> None:
     """A non-streaming chat completion carries an assistant message and usage."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
