@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -83,6 +84,20 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprob `bytes`). A token that is only part of
+        a UTF-8 character decodes to U+FFFD; its own bytes come from its piece: `<0xNN>` (byte
+        fallback) or byte-level BPE's alphabet, one character a byte."""
+        text = self.decode([token])
+        piece = self.backend.id_to_token(token) if "\ufffd" in text else None
+        if piece is None:
+            return text.encode()
+        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        if all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         tokens = []
@@ -206,6 +221,22 @@ def _text_of(content: Any) -> str:
 # Marks where the final message's text ends, for `continue_final_message`: the space after it
 # shows whether the template kept the text's trailing whitespace.
 _CONTINUE_TAG = "BATON_CONTINUE_FINAL_MESSAGE"
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters and the bytes they stand for (GPT-2's `bytes_to_unicode`):
+    printable bytes are their own character, the rest shifted past U+0100 in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _mark_final_message(conversation: list[dict[str, Any]]) -> None:

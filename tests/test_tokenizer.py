@@ -256,6 +256,28 @@ def test_a_developer_message_is_a_system_one_where_the_template_knows_no_develop
     )
 
 
+@pytest.mark.parametrize("name", FOLDERS)
+def test_token_bytes_join_into_the_texts_utf8(request: pytest.FixtureRequest, name: str) -> None:
+    """A token that is part of a character has its own bytes (OpenAI's logprob `bytes`), not
+    U+FFFD's: joined over a byte-level encoding, the tokens' bytes are the text's UTF-8; a
+    byte-fallback piece (`<0xNN>`) is its byte; a whole token's bytes are its text's."""
+    ours = load_tokenizer(_folders(request, name))
+    text = "emoji 🙂🚀 and 中文, naïve 🧑‍🚀"
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces = ours.convert_ids_to_tokens(ids)
+    partial = [i for i in ids if "\ufffd" in ours.decode([i])]
+    for token, piece in zip(ids, pieces, strict=True):
+        if piece.startswith("<0x") and piece.endswith(">"):
+            assert ours.token_bytes(token) == bytes([int(piece[3:5], 16)])
+        elif token not in partial:
+            assert ours.token_bytes(token) == ours.decode([token]).encode()
+    byte_level = all(len(p) > 0 and not p.startswith("▁") for p in pieces) and partial
+    if byte_level and not any(p.startswith("<0x") for p in pieces):
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
+    for token in partial:
+        assert b"\xef\xbf\xbd" not in ours.token_bytes(token)
+
+
 def _copy_tokenizer(src: Path, dst: Path, **config: Any) -> Path:
     dst.mkdir()
     (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())

@@ -270,6 +270,7 @@ class TextEvents:
 # ---- logprobs ------------------------------------------------------------------------------
 
 DecodeToken = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 # JSON has no -inf (and the JSON response refuses it: a 500): a token a mask or the model rules
 # out (allowed_token_ids, a grammar, a prompt token) gets vLLM's stand-in.
@@ -378,21 +379,32 @@ def chat_logprobs(
     entries: Sequence[dict[int, Logprob]],
     num_top: int,
     decode: DecodeToken,
+    token_bytes: TokenBytes | None = None,
 ) -> ChatLogProbs:
-    """OpenAI's chat logprobs: per token its logprob, bytes and the `num_top` most likely."""
+    """OpenAI's chat logprobs: per token its logprob, bytes and the `num_top` most likely. With
+    `token_bytes`, a token whose text is U+FFFD (part of a character) shows its own bytes, so
+    that a client joining them gets the character, as OpenAI means `bytes` for."""
+
+    def bytes_of(token: int, text: str) -> list[int]:
+        if token_bytes is not None and "\ufffd" in text:
+            return list(token_bytes(token))
+        return list(text.encode())
+
     content = []
     for token, entry in zip(token_ids, entries, strict=False):
         text = _token_str(token, entry, decode)
         sampled = entry.get(token)
         top = [
-            TopLogprob(token=s, logprob=_finite(lp.logprob), bytes=list(s.encode()))
-            for s, lp in ((_token_str(t, entry, decode), lp) for t, lp in _top(entry, num_top))
+            TopLogprob(token=s, logprob=_finite(lp.logprob), bytes=bytes_of(t, s))
+            for t, s, lp in (
+                (t, _token_str(t, entry, decode), lp) for t, lp in _top(entry, num_top)
+            )
         ]
         content.append(
             ChatLogprobEntry(
                 token=text,
                 logprob=_finite(sampled.logprob) if sampled else _MIN_LOGPROB,
-                bytes=list(text.encode()),
+                bytes=bytes_of(token, text),
                 top_logprobs=top,
             )
         )
@@ -555,13 +567,18 @@ def chat_response(
     mode: tools.OutputMode | None = None,  # None: the text is all content
     *,
     prompt_tokens_details: bool = True,
+    token_bytes: TokenBytes | None = None,
 ) -> ChatCompletionResponse:
     choices = []
     for sample in out.outputs:
         logprobs = None
         if request.logprobs:
             logprobs = chat_logprobs(
-                sample.token_ids, sample.logprobs or [], request.top_logprobs or 0, decode
+                sample.token_ids,
+                sample.logprobs or [],
+                request.top_logprobs or 0,
+                decode,
+                token_bytes,
             )
         finish = sample.finish_reason
         if mode is None:

@@ -561,6 +561,8 @@ class EngineServer:
         self._check_prompt(ids, "messages")
         response_id, created = f"chatcmpl-{client_id or p.random_id()}", int(time.time())
         decode = self._logprob_tokens(req)
+        # A token's own bytes, unless the logprobs show ids (their bytes are the id's text).
+        token_bytes = None if req.return_tokens_as_token_ids else self.tokenizer.token_bytes
         params = req.to_sampling_params(max_tokens, self.sampling_defaults)
         self._check_resume(req, ids, params)
         params.structured_outputs = tools.constraint(
@@ -584,6 +586,7 @@ class EngineServer:
                     decode,
                     mode=mode,
                     prompt_tokens_details=self.prompt_tokens_details,
+                    token_bytes=token_bytes,
                 ),
             )
         cursors = [r.SampleCursor(r.stop_holdback(req.stop_list())) for _ in range(req.n)]
@@ -667,6 +670,7 @@ class EngineServer:
                         delta.logprobs or [],
                         req.top_logprobs or 0,
                         decode,
+                        token_bytes,
                     )
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids

@@ -51,6 +51,25 @@ def test_chat_logprobs_shape() -> None:
     }
 
 
+def test_chat_logprob_bytes_of_a_split_character_join_into_it(tiny_model) -> None:
+    """A character split over tokens: each token's text is U+FFFD, but its `bytes` are its own,
+    so the bytes of the answer's tokens join into the character (OpenAI's meaning); the top
+    alternatives' too."""
+    from baton.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_model("qwen2"))
+    ids = tok.encode("🙂!", add_special_tokens=False)
+    assert len(ids) > 2  # the emoji is split
+    entries = [{t: Logprob(-0.1, 1, tok.decode([t]))} for t in ids]
+    lp = r.chat_logprobs(ids, entries, 1, lambda t: tok.decode([t]), tok.token_bytes)
+    content = lp.model_dump()["content"]
+    assert b"".join(bytes(c["bytes"]) for c in content) == "🙂!".encode()
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    assert content[0]["token"] == "\ufffd"
+    plain = r.chat_logprobs(ids, entries, 1, lambda t: tok.decode([t]))  # the text's bytes
+    assert plain.model_dump()["content"][0]["bytes"] == list("\ufffd".encode())
+
+
 def test_cursor_holds_back_a_possible_stop_string() -> None:
     """While a sample runs, text that may start a stop string stays unsent; at the end all goes."""
     cursor = r.SampleCursor(holdback=r.stop_holdback(["abc"]))
