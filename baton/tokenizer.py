@@ -48,6 +48,11 @@ class Tokenizer:
         added = {t.content for t in backend.get_added_tokens_decoder().values()}
         missing = [t for t in self.special_tokens.values() if t not in added]
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        # How the decoder turns pieces into bytes (`token_bytes`): GPT-2's byte-level alphabet,
+        # or SentencePiece's `<0xNN>` pieces.
+        decoder = backend.decoder.__getstate__() if backend.decoder is not None else b""
+        self._byte_level = b'"ByteLevel"' in decoder
+        self._byte_fallback = b'"ByteFallback"' in decoder
 
     def to_wire(self) -> dict[str, Any]:
         """The tokenizer as JSON-able data (`from_wire` rebuilds it): what an engine serves the
@@ -87,15 +92,15 @@ class Tokenizer:
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for (OpenAI's logprob `bytes`). A token that is only part of
-        a UTF-8 character decodes to U+FFFD; its own bytes come from its piece: `<0xNN>` (byte
-        fallback) or byte-level BPE's alphabet, one character a byte."""
+        a UTF-8 character decodes to U+FFFD; its own bytes come from its piece, where the decoder
+        says how: `<0xNN>` (byte fallback) or byte-level BPE's alphabet, one character a byte."""
         text = self.decode([token])
         piece = self.backend.id_to_token(token) if "\ufffd" in text else None
         if piece is None:
             return text.encode()
-        if (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+        if self._byte_fallback and (byte := _BYTE_FALLBACK.fullmatch(piece)) is not None:
             return bytes([int(byte.group(1), 16)])
-        if all(c in _BYTE_LEVEL for c in piece):
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
             return bytes(_BYTE_LEVEL[c] for c in piece)
         return text.encode()
 
