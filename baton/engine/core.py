@@ -68,11 +68,12 @@ class EngineCore:
         dtype = mc.dtype if args.dtype == "auto" else parse_dtype(args.dtype)
         if device.type == "cpu" and dtype == torch.float16:
             dtype = torch.bfloat16  # CPUs have no fast fp16 matmul; vLLM's CPU build does this
-        self.max_model_len = args.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
+        self.max_model_len = args.max_model_len or mc.max_positions
+        if self.max_model_len > mc.max_positions:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
+                f"max_model_len {self.max_model_len} exceeds the model's longest sequence, "
+                f"{mc.max_positions} (max_position_embeddings {mc.max_position_embeddings} "
+                "and its rope scaling)"
             )
         attention = args.attention_backend or ("triton" if device.type == "cuda" else "torch")
         tp = args.tensor_parallel_size

@@ -12,6 +12,7 @@ import torch
 from baton import LLM, SamplingParams
 from baton.engine.layers import cpu_linear
 from baton.engine.layers.cpu_linear import PackedLinear
+from baton.engine.models.config import ModelConfig
 from baton.engine.ops import cpu_paged_attention
 from tests.engine.oracle import assert_greedy_matches, hf_greedy, hf_model
 
@@ -50,19 +51,52 @@ def test_greedy_matches_transformers(tiny_model, arch: str) -> None:
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
 
 
-def test_llama3_rope_scaling_matches_transformers(tiny_model) -> None:
-    """llama3-style rope scaling gives the same greedy tokens as transformers."""
-    scaling = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64,
-    }
-    path = tiny_model("llama", rope_scaling=scaling)
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "scaling"),
+    [
+        ("llama", _LLAMA3),
+        ("llama", {"rope_type": "linear", "factor": 4.0}),
+        ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    ],
+    ids=["llama3", "linear", "yarn"],
+)
+def test_rope_scaling_matches_transformers(tiny_model, arch: str, scaling: dict) -> None:
+    """Rope scaling gives the same greedy tokens as transformers, past the original length."""
+    path = tiny_model(arch, rope_scaling=scaling)
     llm = LLM(str(path), max_model_len=256)
     prompts = _prompts([20, 90], 512, seed=1)
     _check_all(path, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy()))
+
+
+def test_linear_and_yarn_scaling_stretch_the_longest_sequence(tiny_model) -> None:
+    """As vLLM derives it: max_position_embeddings (2,048 for the tiny models) times a linear
+    factor, YaRN's original length times its factor, llama3's as written; the default
+    max_model_len is that, and a longer one is refused naming it."""
+    for scaling, longest in [
+        ({"rope_type": "linear", "factor": 2.0}, 4096),
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, 1024),
+        (_LLAMA3, 2048),
+    ]:
+        config = ModelConfig.from_pretrained(tiny_model("llama", rope_scaling=scaling))
+        assert config.max_positions == longest, scaling
+    path = tiny_model("llama", rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="longest sequence, 4096"):
+        LLM(str(path), max_model_len=4097)
+
+
+def test_an_unsupported_rope_scaling_is_a_clear_error(tiny_model) -> None:
+    path = tiny_model("llama", rope_scaling={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope scaling 'longrope'"):
+        LLM(str(path), max_model_len=256)
 
 
 def test_prefix_cache_hits_keep_outputs_exact(tiny_model) -> None:

@@ -74,6 +74,21 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE block; the others are dense
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes, as vLLM derives it: `max_position_embeddings`,
+        times the factor of linear or YaRN rope scaling (YaRN's from the original length);
+        llama3 scaling's configs give the stretched length already."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return self.max_position_embeddings
+        kind = rope_type(scaling)
+        if kind == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
+        if kind == "yarn" and scaling.get("factor"):
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return self.max_position_embeddings
+
+    @property
     def attention_scale(self) -> float:
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
@@ -100,7 +115,7 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or None
         if scaling is None and rope.get("rope_type", "default") != "default":
             scaling = rope
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        if scaling is not None and rope_type(scaling) == "default":
             scaling = None
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         eos = cfg.get("eos_token_id")
@@ -143,6 +158,11 @@ class ModelConfig:
             hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             **_moe_fields(arch, cfg),
         )
+
+
+def rope_type(scaling: dict[str, Any]) -> str:
+    """A rope_scaling's kind, under either of its keys (`type` in older configs)."""
+    return str(scaling.get("rope_type", scaling.get("type")))
 
 
 def _layer_windows(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.layers.attention import AttentionBackend, AttentionMetadata
-from baton.engine.models.config import ModelConfig
+from baton.engine.models.config import ModelConfig, rope_type
 from baton.engine.models.moe import SparseMoeBlock
 from baton.engine.models.tensor_parallel import ShardLayout, TensorParallel, VocabParallelEmbedding
 
@@ -41,18 +41,29 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with llama3-style scaling when the config asks for it."""
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies, and the factor cos and sin are scaled by (YaRN's attention
+    factor; 1 for the others), for rope without scaling and with linear, llama3 or YaRN scaling:
+    transformers' formulas in float32, in its order of operations (the oracle tests compare
+    token for token)."""
     dim = config.head_dim
-    # float32 throughout, as transformers computes it: the oracle tests compare token for token.
     steps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu")
-    inv_freq = 1.0 / (config.rope_theta ** (steps / dim))
+    pos_freqs = config.rope_theta ** (steps / dim)
+    inv_freq = 1.0 / pos_freqs
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: llama3")
+        return inv_freq, 1.0
+    kind = rope_type(scaling)
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":
+        return _llama3_frequencies(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_frequencies(config, pos_freqs, scaling)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn")
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     old_len = scaling["original_max_position_embeddings"]
@@ -62,6 +73,46 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(
+    config: ModelConfig, pos_freqs: torch.Tensor, scaling: dict
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the
+    original context are interpolated (divided by `factor`), those that turn more than
+    `beta_fast` times kept, a linear ramp between; cos and sin are scaled by the attention
+    factor (0.1 ln(factor) + 1 unless the config gives it or `mscale`/`mscale_all_dim`)."""
+    dim = config.head_dim
+    old_len = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / old_len
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    base = config.rope_theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(scaling.get("beta_fast") or 32)
+    high = correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    half = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = torch.clamp((half - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # the share of each dimension kept as it was
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -85,10 +136,13 @@ class RotaryEmbedding(nn.Module):
     def reset_tables(self, device: torch.device | None = None) -> None:
         """(Re)computes the tables in float32, e.g. after the model was built on `meta`."""
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device or "cpu")
-        inv_freq = rope_inv_freq(self.config).to(device)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        inv_freq, attention_factor = rope_frequencies(self.config)
+        freqs = torch.outer(t, inv_freq.to(device))  # [max_positions, head_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The [cos, cos] and [-sin, sin] rows of `positions`: [num_tokens, 1, head_dim]."""

@@ -81,6 +81,7 @@ def write_gguf(
     arch: str = "llama",
     rng: np.random.Generator | None = None,
     add_tokenizer: Callable[[Any], None] | None = None,
+    linear_rope_factor: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Writes HF model `folder` as a llama GGUF file with its matrices in `qtype` (norms in F32),
     and returns every weight as the gguf package dequantizes it, in Hugging Face's names and
@@ -102,6 +103,9 @@ def write_gguf(
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(config["hidden_size"] // heads)
+    if linear_rope_factor is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(linear_rope_factor)
     if add_tokenizer is None:
         _add_byte_level_tokenizer(w, folder, config)
     else:
@@ -237,6 +241,23 @@ def test_greedy_matches_transformers_loading_the_same_gguf(qtype, tiny_model, tm
     assert sum(compared) >= 12  # a near-tie at the first token everywhere would prove nothing
 
 
+def test_a_gguf_with_linear_rope_scaling_matches_transformers(tiny_model, tmp_path):
+    """`rope.scaling.type` linear in the file: Baton's greedy tokens equal transformers' on the
+    same weights with the same scaling in config.json (transformers' own GGUF reader drops the
+    scaling, so the oracle is the folder the file was written from)."""
+    from baton import LLM, SamplingParams
+
+    folder = tiny_model("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    file = tmp_path / "tiny-linear.gguf"
+    write_gguf(folder, file, "F32", linear_rope_factor=4.0)
+    llm = LLM(str(file), max_model_len=256, dtype="float32")
+    prompts = [[5, 17, 42, 99, 7], list(range(30, 120))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, o in zip(prompts, outputs, strict=True):
+        assert_greedy_matches(folder, p, list(o.outputs[0].token_ids))
+
+
 def test_gguf_tokenizer_and_template_from_metadata(tiny_model, tmp_path):
     """The prepared folder's tokenizer encodes like the tiny model's own tokenizer.json, and
     serves its chat template and EOS."""
@@ -245,7 +266,7 @@ def test_gguf_tokenizer_and_template_from_metadata(tiny_model, tmp_path):
 
     folder = tiny_model("llama")
     file = tmp_path / "tiny.gguf"
-    write_gguf(folder, file, "F32")
+    write_gguf(folder, file, "F32", linear_rope_factor=4.0)
     prepared = baton_gguf.prepare(file, tmp_path / "cache")
     ours, theirs = load_tokenizer(prepared), load_tokenizer(folder)
     for text in ("the relay team", "héllo wörld 🙂 12345", "<|im_start|>user\nhi<|im_end|>"):

@@ -51,6 +51,25 @@ def _config(tmp_path: Path, scaling: dict[str, object] | None) -> tuple[ModelCon
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 512,
         },
+        {"rope_type": "linear", "factor": 4.0},
+        {"type": "linear", "factor": 2.5},  # the older key
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+        {  # every YaRN field given, no truncation of the ramp
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 16,
+            "beta_slow": 2,
+            "attention_factor": 1.3,
+            "truncate": False,
+        },
+        {  # DeepSeek's way: the attention factor from mscale / mscale_all_dim
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 100,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
     ],
 )
 def test_rotation_is_transformers_bit_for_bit(tmp_path: Path, scaling: dict | None) -> None:
