@@ -77,6 +77,15 @@ def test_rope_scaling_matches_transformers(tiny_model, arch: str, scaling: dict)
     _check_all(path, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy()))
 
 
+def test_qwen3_with_attention_bias_matches_transformers(tiny_model) -> None:
+    """Qwen3's `attention_bias` biases q/k/v and o_proj, as in transformers (Llama's biases,
+    MLP ones included, are checked at both tensor-parallel sizes in test_tensor_parallel)."""
+    path = tiny_model("qwen3", biases=True)
+    llm = LLM(str(path), max_model_len=256)
+    prompts = _prompts([5, 40], 512, seed=2)
+    _check_all(path, prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy()))
+
+
 def test_linear_and_yarn_scaling_stretch_the_longest_sequence(tiny_model) -> None:
     """As vLLM derives it: max_position_embeddings (2,048 for the tiny models) times a linear
     factor, YaRN's original length times its factor, llama3's as written; the default

@@ -31,23 +31,25 @@ def _generate(path: Path, prompts: list[dict[str, list[int]]], **args: object) -
 
 
 @pytest.mark.parametrize(
-    ("arch", "kv_heads"),
+    ("arch", "model_args"),
     [
-        pytest.param("llama", None, id="llama"),
-        pytest.param("qwen2", None, id="qwen2"),  # q/k/v biases, sharded with their weights
-        pytest.param("qwen3", None, id="qwen3"),  # per-head q/k norms
+        pytest.param("llama", {}, id="llama"),
+        pytest.param("qwen2", {}, id="qwen2"),  # q/k/v biases, sharded with their weights
+        pytest.param("qwen3", {}, id="qwen3"),  # per-head q/k norms
         # Mistral runs Llama's code path (no biases, no q/k norms): its tp1 answers are checked
         # against transformers in test_llm, its tp2 ones in make test-long.
-        pytest.param("mistral", None, id="mistral", marks=pytest.mark.long),
-        pytest.param("llama", 1, id="llama-1-kv-head"),  # one KV head, replicated
+        pytest.param("mistral", {}, id="mistral", marks=pytest.mark.long),
+        pytest.param("llama", {"num_key_value_heads": 1}, id="llama-1-kv-head"),  # replicated
+        # q/k/v/o and gate/up/down biases: o_proj's and down_proj's added once, on rank 0
+        pytest.param("llama", {"biases": True}, id="llama-biases"),
     ],
 )
 def test_tp2_greedy_equals_tp1_and_transformers(
-    tiny_model, arch: str, kv_heads: int | None
+    tiny_model, arch: str, model_args: dict[str, object]
 ) -> None:
     """Greedy tokens with tensor_parallel_size 2 equal tensor_parallel_size 1 and transformers,
-    including a model with one KV head (replicated on both ranks)."""
-    path = tiny_model(arch) if kv_heads is None else tiny_model(arch, num_key_value_heads=kv_heads)
+    including a model with one KV head (replicated on both ranks) and one with every bias."""
+    path = tiny_model(arch, **model_args)
     prompts = _prompts()
     tp1 = _generate(path, prompts)
     tp2 = _generate(path, prompts, tensor_parallel_size=2)

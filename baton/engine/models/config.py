@@ -19,6 +19,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MixtralForCausalLM": (False, False),
     "Qwen3MoeForCausalLM": (False, True),
 }
+# Where transformers gives q/k/v and o_proj a bias by `attention_bias`; Qwen2 always biases
+# q/k/v and never o_proj, Mistral and Mixtral never bias. `mlp_bias` is Llama's alone.
+_ATTENTION_BIAS_FLAG = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -66,6 +74,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores become cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None
     hidden_activation: str = "silu"
+    o_bias: bool = False  # o_proj's bias (Llama, Qwen3, Gemma 2 with `attention_bias`)
+    mlp_bias: bool = False  # gate/up/down biases (Llama's `mlp_bias`)
     # mixture of experts (Mixtral, Qwen3-MoE); a dense model keeps the defaults
     num_experts: int = 0  # routed experts in each MoE layer
     num_experts_per_tok: int = 0  # top-k: experts each token is routed to
@@ -107,7 +117,8 @@ class ModelConfig:
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-        qkv_bias = bool(cfg.get("attention_bias", qkv_bias))
+        if arch in _ATTENTION_BIAS_FLAG:
+            qkv_bias = bool(cfg.get("attention_bias", False))
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers 5 nests rope settings under `rope_parameters`; 4.x uses two keys.
@@ -147,6 +158,8 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
+            o_bias=qkv_bias and arch in _ATTENTION_BIAS_FLAG,
+            mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
             qk_norm=qk_norm,
             eos_token_ids=eos_ids,
             dtype=parse_dtype(str(dtype_name)),

@@ -123,6 +123,10 @@ class ShardLayout:
             "o_proj": (1, self.rank * heads, heads),
             "down_proj": (1, self.rank * mlp, mlp),
         }
+        if module in ("o_proj", "down_proj") and name.endswith(".bias"):
+            # A row-parallel layer's bias is added once, to the sum of the ranks' partial
+            # products: rank 0 holds it, the others zeros.
+            return tensor if self.rank == 0 else torch.zeros_like(tensor)
         if module in slices:
             return tensor.narrow(*slices[module])
         if module in ("embed_tokens", "lm_head"):

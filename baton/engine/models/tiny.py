@@ -107,12 +107,14 @@ def write_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     num_key_value_heads: int | None = None,
     sliding_window: int | None = None,
+    biases: bool = False,
 ) -> pathlib.Path:
     """Write a random model folder for (arch, size, seed) to `path` and return it.
 
     `rope_scaling`, when given, is written verbatim into config.json; `num_key_value_heads`
     overrides the size's (e.g. 1, fewer KV heads than tensor-parallel ranks);
-    `sliding_window` sets the window of mistral (every layer) or gemma2 (its sliding layers).
+    `sliding_window` sets the window of mistral (every layer) or gemma2 (its sliding layers);
+    `biases` gives llama q/k/v/o and MLP biases (`attention_bias`, `mlp_bias`), qwen3 q/k/v/o.
     """
     known = ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES
     if arch not in known:
@@ -133,6 +135,11 @@ def write_tiny_model(
         if arch not in ("mistral", "gemma2"):
             raise ValueError(f"sliding_window applies to mistral and gemma2, not {arch!r}")
         config["sliding_window"] = sliding_window
+    if biases:
+        if arch not in ("llama", "qwen3"):
+            raise ValueError(f"biases apply to llama and qwen3, not {arch!r}")
+        config["attention_bias"] = True
+        config["mlp_bias"] = arch == "llama"
     weights = _random_weights(config, arch, _torch_seed(seed, arch, size))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
@@ -305,11 +312,13 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
             w[p + f"self_attn.{name}_proj.weight"] = normal(
                 rows * head_dim, hidden, std=1 / math.sqrt(hidden)
             )
-            if arch == "qwen2":
+            if arch == "qwen2" or config.get("attention_bias"):
                 w[p + f"self_attn.{name}_proj.bias"] = normal(rows * head_dim, std=_BIAS_STD)
         w[p + "self_attn.o_proj.weight"] = normal(
             hidden, heads * head_dim, std=_ATTN_GAIN / math.sqrt(heads * head_dim)
         )
+        if config.get("attention_bias"):
+            w[p + "self_attn.o_proj.bias"] = normal(hidden, std=_BIAS_STD)
         if arch in ("qwen3", "qwen3_moe"):
             w[p + "self_attn.q_norm.weight"] = norm(head_dim)
             w[p + "self_attn.k_norm.weight"] = norm(head_dim)
@@ -320,6 +329,9 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
         w[p + "mlp.gate_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
         w[p + "mlp.up_proj.weight"] = normal(inter, hidden, std=1 / math.sqrt(hidden))
         w[p + "mlp.down_proj.weight"] = normal(hidden, inter, std=_MLP_GAIN / math.sqrt(inter))
+        if config.get("mlp_bias"):
+            for name, rows in (("gate", inter), ("up", inter), ("down", hidden)):
+                w[p + f"mlp.{name}_proj.bias"] = normal(rows, std=_BIAS_STD)
     w["model.norm.weight"] = norm(hidden)
     if not config["tie_word_embeddings"]:
         w["lm_head.weight"] = normal(vocab, hidden, std=vocab_std)

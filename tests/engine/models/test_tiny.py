@@ -229,3 +229,28 @@ def test_default_model_path_uses_the_race_winner(tmp_path, monkeypatch):
     assert tiny.default_model_path() == final
     assert _config(final)["vocab_size"] == 512  # the winner's model, not ours
     assert sorted(p.name for p in final.parent.iterdir()) == ["llama-small"]
+
+
+def test_bias_flags_follow_transformers(tmp_path):
+    """`attention_bias` biases q/k/v and o_proj where transformers reads it (Llama, Qwen3),
+    `mlp_bias` is Llama's; Qwen2 biases q/k/v always and o_proj never; Mistral never biases,
+    whatever its config says. Every bias the tiny writer adds loads (no weight left over)."""
+    from baton.engine.models.config import ModelConfig
+
+    def flags(folder: pathlib.Path) -> tuple[bool, bool, bool]:
+        c = ModelConfig.from_pretrained(folder)
+        return c.qkv_bias, c.o_bias, c.mlp_bias
+
+    assert flags(tiny.write_tiny_model(tmp_path / "l", "llama", biases=True)) == (True,) * 3
+    assert flags(tiny.write_tiny_model(tmp_path / "q3", "qwen3", biases=True)) == (
+        True,
+        True,
+        False,
+    )
+    assert flags(tiny.write_tiny_model(tmp_path / "q2", "qwen2")) == (True, False, False)
+    mistral = tiny.write_tiny_model(tmp_path / "m", "mistral")
+    cfg = _config(mistral) | {"attention_bias": True, "mlp_bias": True}
+    (mistral / "config.json").write_text(json.dumps(cfg))
+    assert flags(mistral) == (False, False, False)
+    with pytest.raises(ValueError, match="biases apply to llama and qwen3"):
+        tiny.write_tiny_model(tmp_path / "g", "gemma2", biases=True)
