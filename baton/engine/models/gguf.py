@@ -193,18 +193,38 @@ def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": _dtype_of(reader),
     }
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (only linear)")
-        config["rope_scaling"] = {
-            "rope_type": "linear",
-            "factor": float(get("rope.scaling.factor")),
-        }
+    scaling = _rope_scaling(get)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
         if f"tokenizer.ggml.{key}" in meta:
             config[key] = int(meta[f"tokenizer.ggml.{key}"])
     return config
+
+
+def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
+    """The config's rope_scaling from the file's `rope.scaling.*` keys: linear, or YaRN with
+    its original context and ramp bounds. A YaRN attention factor other than 1 is refused:
+    llama.cpp multiplies it into the YaRN scale, which no config field says."""
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if kind == "yarn":
+        for key in ("rope.scaling.attn_factor", "rope.scaling.yarn_attn_factor"):
+            if float(get(key, 1.0)) != 1.0:
+                raise ValueError(f"GGUF YaRN with {key} {get(key)} is not supported")
+        scaling: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        }
+        for key in ("beta_fast", "beta_slow"):
+            if get(f"rope.scaling.yarn_{key}") is not None:
+                scaling[key] = float(get(f"rope.scaling.yarn_{key}"))
+        return scaling
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear, yarn)")
 
 
 def _dtype_of(reader: GGUFReader) -> str:

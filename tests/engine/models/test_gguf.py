@@ -81,7 +81,7 @@ def write_gguf(
     arch: str = "llama",
     rng: np.random.Generator | None = None,
     add_tokenizer: Callable[[Any], None] | None = None,
-    linear_rope_factor: float | None = None,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Writes HF model `folder` as a llama GGUF file with its matrices in `qtype` (norms in F32),
     and returns every weight as the gguf package dequantizes it, in Hugging Face's names and
@@ -103,9 +103,11 @@ def write_gguf(
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(config["hidden_size"] // heads)
-    if linear_rope_factor is not None:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(linear_rope_factor)
+    if rope_scaling is not None:  # written as llama.cpp's converter writes it
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["rope_type"]))
+        w.add_rope_scaling_factor(rope_scaling["factor"])
+        if "original_max_position_embeddings" in rope_scaling:
+            w.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"])
     if add_tokenizer is None:
         _add_byte_level_tokenizer(w, folder, config)
     else:
@@ -241,15 +243,23 @@ def test_greedy_matches_transformers_loading_the_same_gguf(qtype, tiny_model, tm
     assert sum(compared) >= 12  # a near-tie at the first token everywhere would prove nothing
 
 
-def test_a_gguf_with_linear_rope_scaling_matches_transformers(tiny_model, tmp_path):
-    """`rope.scaling.type` linear in the file: Baton's greedy tokens equal transformers' on the
-    same weights with the same scaling in config.json (transformers' own GGUF reader drops the
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+    ids=["linear", "yarn"],
+)
+def test_a_gguf_with_rope_scaling_matches_transformers(scaling, tiny_model, tmp_path):
+    """`rope.scaling.*` in the file: Baton's greedy tokens equal transformers' on the same
+    weights with the same scaling in config.json (transformers' own GGUF reader drops the
     scaling, so the oracle is the folder the file was written from)."""
     from baton import LLM, SamplingParams
 
-    folder = tiny_model("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
-    file = tmp_path / "tiny-linear.gguf"
-    write_gguf(folder, file, "F32", linear_rope_factor=4.0)
+    folder = tiny_model("llama", rope_scaling=scaling)
+    file = tmp_path / "tiny-scaled.gguf"
+    write_gguf(folder, file, "F32", rope_scaling=scaling)
     llm = LLM(str(file), max_model_len=256, dtype="float32")
     prompts = [[5, 17, 42, 99, 7], list(range(30, 120))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
