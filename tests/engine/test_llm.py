@@ -16,7 +16,7 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.ops import cpu_paged_attention
 from tests.engine.oracle import assert_greedy_matches, hf_greedy, hf_model
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 # Shorter than a block, exactly one, one past, several blocks and not aligned.
 LENGTHS = [3, 15, 16, 17, 40, 70]
 

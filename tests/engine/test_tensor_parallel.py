@@ -42,6 +42,7 @@ def _generate(path: Path, prompts: list[dict[str, list[int]]], **args: object) -
         pytest.param("llama", {"num_key_value_heads": 1}, id="llama-1-kv-head"),  # replicated
         # q/k/v/o and gate/up/down biases: o_proj's and down_proj's added once, on rank 0
         pytest.param("llama", {"biases": True}, id="llama-biases"),
+        pytest.param("phi3", {}, id="phi3"),  # q/k/v and gate/up stored fused, split per rank
     ],
 )
 def test_tp2_greedy_equals_tp1_and_transformers(

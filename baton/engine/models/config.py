@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Gemma2ForCausalLM": (False, False),
     "MixtralForCausalLM": (False, False),
     "Qwen3MoeForCausalLM": (False, True),
+    "Phi3ForCausalLM": (False, False),
 }
 # Where transformers gives q/k/v and o_proj a bias by `attention_bias`; Qwen2 always biases
 # q/k/v and never o_proj, Mistral and Mixtral never bias. `mlp_bias` is Llama's alone.
@@ -129,6 +130,12 @@ class ModelConfig:
         if scaling is not None and rope_type(scaling) == "default":
             scaling = None
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial is not None and float(partial) != 1.0:
+            raise ValueError(
+                f"partial_rotary_factor {partial} in {config_file} is not supported (rope over "
+                "the whole head only)"
+            )
         eos = cfg.get("eos_token_id")
         generation_cfg = path / "generation_config.json"
         if generation_cfg.is_file():
@@ -187,7 +194,12 @@ def _layer_windows(
     if sliding is None:
         return (None,) * num_layers
     # These families' modeling code ignores layer_types: every layer slides.
-    every_layer = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+    every_layer = (
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
+    )
     types = None if arch in every_layer else cfg.get("layer_types")
     if types is None:
         if arch == "Gemma2ForCausalLM":

@@ -32,6 +32,9 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _NAME = re.compile(r"^(?:model\.)?(.*)$")
+# Checkpoints that store q/k/v and gate/up fused already (Phi-3): split into the parts above, so
+# that sharding and loading take one path.
+_STORED_FUSED = re.compile(r"^(.*\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -52,7 +55,7 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_weights(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for file in weight_files(path):
         if file.suffix == ".gguf":
             from baton.engine.models.gguf import iter_weights
@@ -61,7 +64,27 @@ def _iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                yield from _unfused(name, f.get_tensor(name), config)
+
+
+def _unfused(
+    name: str, tensor: torch.Tensor, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A stored fused q/k/v or gate/up tensor as its parts (rows: q, k, v; gate, up), else the
+    tensor as it is."""
+    match = _STORED_FUSED.match(name)
+    if match is None:
+        yield name, tensor
+        return
+    prefix, module, kind = match.groups()
+    if module.endswith("qkv_proj"):
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True)
+        for part, piece in parts:
+            yield f"{prefix}self_attn.{part}.{kind}", piece
+    else:
+        for part, piece in zip(("gate_proj", "up_proj"), tensor.chunk(2), strict=True):
+            yield f"{prefix}mlp.{part}.{kind}", piece
 
 
 def load_model(
@@ -104,7 +127,7 @@ def load_model(
         "gate_up_proj": [layout.intermediate_size, layout.intermediate_size],
     }
     loaded: set[str] = set()
-    for hf_name, tensor in _iter_weights(config.path):
+    for hf_name, tensor in _iter_weights(config.path, config):
         name = _NAME.match(hf_name).group(1)  # type: ignore[union-attr]
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MoE block
         if "rotary_emb" in name:

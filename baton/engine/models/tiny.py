@@ -25,7 +25,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from baton.cache import cache_dir, write_once
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# phi3 is llama's layers with q/k/v and gate/up stored fused, as Phi-3 checkpoints store them.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 # Mixture of experts: 4 experts, top-2, each expert half the dense MLP (so 2 active experts match
 # it); qwen3_moe keeps layer 0 dense (`mlp_only_layers`) and does not renormalise its top-2.
 MOE_ARCHITECTURES = ("mixtral", "qwen3_moe")
@@ -75,6 +76,7 @@ _ARCH_CLASS = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _NUM_EXPERTS, _TOP_K = 4, 2
 
@@ -113,7 +115,8 @@ def write_tiny_model(
 
     `rope_scaling`, when given, is written verbatim into config.json; `num_key_value_heads`
     overrides the size's (e.g. 1, fewer KV heads than tensor-parallel ranks);
-    `sliding_window` sets the window of mistral (every layer) or gemma2 (its sliding layers);
+    `sliding_window` sets the window of mistral or phi3 (every layer) or gemma2 (its sliding
+    layers);
     `biases` gives llama q/k/v/o and MLP biases (`attention_bias`, `mlp_bias`), qwen3 q/k/v/o.
     """
     known = ARCHITECTURES + MOE_ARCHITECTURES + GEMMA_ARCHITECTURES
@@ -132,8 +135,8 @@ def write_tiny_model(
             )
         config["num_key_value_heads"] = num_key_value_heads
     if sliding_window is not None:
-        if arch not in ("mistral", "gemma2"):
-            raise ValueError(f"sliding_window applies to mistral and gemma2, not {arch!r}")
+        if arch not in ("mistral", "gemma2", "phi3"):
+            raise ValueError(f"sliding_window applies to mistral, gemma2 and phi3, not {arch!r}")
         config["sliding_window"] = sliding_window
     if biases:
         if arch not in ("llama", "qwen3"):
@@ -208,6 +211,8 @@ def _model_config(arch: str, size: str, rope_scaling: dict[str, Any] | None) -> 
         config["max_window_layers"] = config["num_hidden_layers"]
     if arch == "mistral":
         config["sliding_window"] = None
+    if arch == "phi3":  # Phi3Config's default pad id (32000) lies past the tiny vocabularies
+        config.update(sliding_window=None, pad_token_id=BOS_TOKEN_ID, resid_pdrop=0.0)
     if arch in MOE_ARCHITECTURES:
         _add_moe_config(config, arch, size)
     if arch == "gemma2":
@@ -337,7 +342,19 @@ def _random_weights(config: dict[str, Any], arch: str, seed: int) -> dict[str, t
         w["lm_head.weight"] = normal(vocab, hidden, std=vocab_std)
     if arch == "gemma2":
         _to_gemma2(w, config, normal)
+    if arch == "phi3":
+        _fuse_phi3(w, config["num_hidden_layers"])
     return w
+
+
+def _fuse_phi3(w: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Phi-3's checkpoint layout: q/k/v rows in one `qkv_proj`, gate then up in `gate_up_proj`."""
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        qkv = [w.pop(p + f"self_attn.{name}_proj.weight") for name in ("q", "k", "v")]
+        w[p + "self_attn.qkv_proj.weight"] = torch.cat(qkv)
+        gate_up = [w.pop(p + f"mlp.{name}_proj.weight") for name in ("gate", "up")]
+        w[p + "mlp.gate_up_proj.weight"] = torch.cat(gate_up)
 
 
 def _expert_weights(

@@ -276,7 +276,7 @@ def test_gguf_tokenizer_and_template_from_metadata(tiny_model, tmp_path):
 
     folder = tiny_model("llama")
     file = tmp_path / "tiny.gguf"
-    write_gguf(folder, file, "F32", linear_rope_factor=4.0)
+    write_gguf(folder, file, "F32")
     prepared = baton_gguf.prepare(file, tmp_path / "cache")
     ours, theirs = load_tokenizer(prepared), load_tokenizer(folder)
     for text in ("the relay team", "héllo wörld 🙂 12345", "<|im_start|>user\nhi<|im_end|>"):

@@ -31,6 +31,8 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("Qwen3MoeForCausalLM", "qwen3_moe", {**MOE, "sliding_window": 16, "use_sliding_window": True}),
     ("MixtralForCausalLM", "mixtral", {**MOE, "sliding_window": 16}),
     ("Gemma2ForCausalLM", "gemma2", {"sliding_window": 16, "head_dim": 8}),
+    ("Phi3ForCausalLM", "phi3", {"sliding_window": 16, "pad_token_id": 0}),
+    ("Phi3ForCausalLM", "phi3", {"sliding_window": None, "pad_token_id": 0}),
 ]  # fmt: skip
 
 

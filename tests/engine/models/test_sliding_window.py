@@ -73,6 +73,14 @@ def test_mixed_lengths_match_transformers(mistral: Path) -> None:
     check_against_transformers(mistral, llm, _prompts(LENGTHS, seed=1))
 
 
+def test_phi3_windows_every_layer_as_transformers_does(tiny_model) -> None:
+    """Phi-3's window (its fused q/k/v and gate/up split at load) on every layer, prompts
+    shorter and longer than it, against transformers' Phi3 model."""
+    path = tiny_model("phi3", sliding_window=WINDOW)
+    assert ModelConfig.from_pretrained(path).layer_windows == (WINDOW, WINDOW)
+    check_against_transformers(path, LLM(str(path), max_model_len=256), _prompts(LENGTHS, seed=3))
+
+
 def test_sdpa_decode_path_matches_transformers(mistral: Path, monkeypatch) -> None:
     """The SDPA decode fallback (no C kernel) honours the window too."""
     monkeypatch.setattr(cpu_paged_attention, "available", lambda *a: False)

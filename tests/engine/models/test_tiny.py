@@ -87,8 +87,12 @@ def test_small_has_exactly_the_specified_dims(tmp_path, arch):
     assert "rope_scaling" not in cfg
     shapes = _shapes(path)
     assert shapes["model.embed_tokens.weight"] == (2048, 256)
-    assert shapes["model.layers.3.self_attn.q_proj.weight"] == (8 * head_dim, 256)
-    assert shapes["model.layers.3.self_attn.k_proj.weight"] == (4 * head_dim, 256)
+    if arch == "phi3":  # q, k, v rows stored together, gate and up too
+        assert shapes["model.layers.3.self_attn.qkv_proj.weight"] == (16 * head_dim, 256)
+        assert shapes["model.layers.3.mlp.gate_up_proj.weight"] == (2 * 688, 256)
+    else:
+        assert shapes["model.layers.3.self_attn.q_proj.weight"] == (8 * head_dim, 256)
+        assert shapes["model.layers.3.self_attn.k_proj.weight"] == (4 * head_dim, 256)
     assert shapes["model.layers.3.mlp.down_proj.weight"] == (256, 688)
     assert "model.layers.4.input_layernorm.weight" not in shapes
 
@@ -254,3 +258,21 @@ def test_bias_flags_follow_transformers(tmp_path):
     assert flags(mistral) == (False, False, False)
     with pytest.raises(ValueError, match="biases apply to llama and qwen3"):
         tiny.write_tiny_model(tmp_path / "g", "gemma2", biases=True)
+
+
+def test_a_partial_rotary_factor_is_refused_by_name(tmp_path):
+    """Phi-4-mini's rope over three quarters of each head is not built: refused at load, at
+    the top level or under transformers 5's `rope_parameters`."""
+    from baton.engine.models.config import ModelConfig
+
+    path = tiny.write_tiny_model(tmp_path, "phi3")
+    cfg = _config(path)
+    for changes in (
+        {"partial_rotary_factor": 0.75},
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+    ):
+        (path / "config.json").write_text(json.dumps(cfg | changes))
+        with pytest.raises(ValueError, match="partial_rotary_factor"):
+            ModelConfig.from_pretrained(path)
+    (path / "config.json").write_text(json.dumps(cfg | {"partial_rotary_factor": 1.0}))
+    assert ModelConfig.from_pretrained(path).architecture == "Phi3ForCausalLM"
