@@ -1,7 +1,9 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over Baton's paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) over Baton's paged KV cache.
 
-One module for all four: they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-an explicit head_dim, tied embeddings, and rope settings, all read from `ModelConfig`.
+One module for all five: they differ only in biases (Qwen2's q/k/v, `attention_bias`,
+`mlp_bias`), per-head q/k RMSNorm (Qwen3), an explicit head_dim, tied embeddings, rope settings
+and windows, all read from `ModelConfig`, and in how a checkpoint stores q/k/v (Phi-3's fused,
+split at load).
 Projections are fused (q/k/v into one matmul, gate/up into another): fewer, larger kernels.
 Under tensor parallelism each module holds its rank's shard (see `tensor_parallel`).
 Mixtral and Qwen3-MoE are Mistral and Qwen3 with a mixture-of-experts MLP (see `moe`).

@@ -79,6 +79,11 @@ def _unfused(
     prefix, module, kind = match.groups()
     if module.endswith("qkv_proj"):
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        if tensor.shape[0] != q + 2 * kv:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {q + 2 * kv} rows "
+                f"(q {q}, k {kv}, v {kv})"
+            )
         parts = zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True)
         for part, piece in parts:
             yield f"{prefix}self_attn.{part}.{kind}", piece
