@@ -77,6 +77,9 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Llama 3.1-style scaling as llama.cpp stores it: read into the config (`_rope_scaling`);
+    # as a weight, skipped by the loader like any rotary buffer.
+    "rope_freqs": "model.rotary_emb.freq_factors",
 }
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -167,8 +170,6 @@ def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
         )
     _check_tensor_types(reader)
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported")
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -193,7 +194,7 @@ def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
         "hidden_act": "silu",
         "torch_dtype": _dtype_of(reader),
     }
-    scaling = _rope_scaling(get)
+    scaling = _rope_scaling(get, reader)
     if scaling is not None:
         config["rope_scaling"] = scaling
     for key in ("bos_token_id", "eos_token_id"):
@@ -202,11 +203,21 @@ def hf_config(meta: dict[str, Any], reader: GGUFReader) -> dict[str, Any]:
     return config
 
 
-def _rope_scaling(get: Callable[..., Any]) -> dict[str, Any] | None:
+def _rope_scaling(get: Callable[..., Any], reader: GGUFReader) -> dict[str, Any] | None:
     """The config's rope_scaling from the file's `rope.scaling.*` keys: linear, or YaRN with
-    its original context and ramp bounds. A YaRN attention factor other than 1 is refused:
-    llama.cpp multiplies it into the YaRN scale, which no config field says."""
+    its original context and ramp bounds; or, from a `rope_freqs` tensor (Llama 3.1 and later,
+    whose llama3 parameters the converter turned into one divisor per frequency),
+    `freq_factors`. A YaRN attention factor other than 1 is refused: llama.cpp multiplies it
+    into the YaRN scale, which no config field says."""
+    from gguf.quants import dequantize
+
     kind = get("rope.scaling.type")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if kind not in (None, "none"):
+            raise ValueError(f"GGUF with both rope_freqs and rope scaling {kind!r}")
+        factors = dequantize(freqs.data, freqs.tensor_type).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(f) for f in factors]}
     if kind in (None, "none"):
         return None
     if kind == "linear":

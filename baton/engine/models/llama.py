@@ -62,6 +62,11 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3_frequencies(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn_frequencies(config, pos_freqs, scaling)
+    if kind == "freq_factors":  # a GGUF file's `rope_freqs`: llama.cpp divides by them
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{len(factors)} rope factors for {len(inv_freq)} frequencies")
+        return inv_freq / factors, 1.0
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: linear, llama3, yarn")
 
 

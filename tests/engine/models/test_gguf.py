@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,11 @@ def write_gguf(
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
     w.add_rope_dimension_count(config["hidden_size"] // heads)
-    if rope_scaling is not None:  # written as llama.cpp's converter writes it
+    if rope_scaling is not None and rope_scaling["rope_type"] == "llama3":
+        head_dim = config["hidden_size"] // heads
+        factors = _llama3_freq_factors(rope_scaling, head_dim, config["rope_theta"])
+        w.add_tensor("rope_freqs.weight", factors)
+    elif rope_scaling is not None:  # written as llama.cpp's converter writes it
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling["rope_type"]))
         w.add_rope_scaling_factor(rope_scaling["factor"])
         if "original_max_position_embeddings" in rope_scaling:
@@ -133,6 +138,25 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+def _llama3_freq_factors(scaling: dict[str, Any], head_dim: int, base: float) -> np.ndarray:
+    """llama.cpp's converter's `rope_freqs` for llama3 scaling: one divisor per frequency (1
+    for short wavelengths, `factor` for long ones, the smooth blend between), in float64 and
+    stored as float32, as the converter computes them."""
+    factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * base ** (i / head_dim)
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _add_byte_level_tokenizer(w: Any, folder: Path, config: dict[str, Any]) -> None:
@@ -248,8 +272,15 @@ def test_greedy_matches_transformers_loading_the_same_gguf(qtype, tiny_model, tm
     [
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {  # as a `rope_freqs` tensor, as Llama 3.1 and 3.2 files carry it
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ],
-    ids=["linear", "yarn"],
+    ids=["linear", "yarn", "llama3-rope-freqs"],
 )
 def test_a_gguf_with_rope_scaling_matches_transformers(scaling, tiny_model, tmp_path):
     """`rope.scaling.*` in the file: Baton's greedy tokens equal transformers' on the same
