@@ -231,17 +231,18 @@ _CONTINUE_TAG = "BATON_CONTINUE_FINAL_MESSAGE"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's characters and the bytes they stand for (GPT-2's `bytes_to_unicode`):
-    printable bytes are their own character, the rest shifted past U+0100 in order."""
+def byte_level_spelling() -> dict[int, str]:
+    """Byte-level BPE's spelling of bytes (GPT-2's `bytes_to_unicode`), which its vocabularies
+    are written in: printable bytes are their own character, the rest shifted past U+0100 in
+    order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     shifted = [b for b in range(256) if b not in printable]
-    alphabet = {chr(b): b for b in printable}
-    alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
-    return alphabet
+    spelling = {b: chr(b) for b in printable}
+    spelling.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return spelling
 
 
-_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_LEVEL = {c: b for b, c in byte_level_spelling().items()}  # character -> byte
 
 
 def _mark_final_message(conversation: list[dict[str, Any]]) -> None:
