@@ -263,6 +263,29 @@ def test_a_pull_that_ended_between_steps_resumes_and_computes_in_one_step(model:
         decode.shutdown()
 
 
+def test_a_decode_request_hashes_its_prompt_once(model: Path, monkeypatch) -> None:
+    """The params' check hashes the whole prompt; the scheduler asks for it twice per request
+    (matched tokens, then after allocating), so the second answer is the first one kept."""
+    from baton.kv_transfer import connector
+
+    hashed: list[int] = []
+
+    def counting(token_ids):  # type: ignore[no-untyped-def]
+        hashed.append(len(token_ids))
+        return prompt_hash(token_ids)
+
+    monkeypatch.setattr(connector, "prompt_hash", counting)
+    prefill, decode = _engine(model, "prefill"), _engine(model, "decode")
+    try:
+        prompts = _prompts()
+        _, got = _hand_off(prefill, decode, prompts)
+        assert len(got) == len(prompts)
+        assert sorted(hashed) == sorted(len(p) for p in prompts)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 def test_decode_prefix_cache_hit_pulls_only_the_rest(model: Path, transport: str) -> None:
     """A prompt whose prefix the decode engine caches pulls only the blocks after it, and a prompt
     it caches entirely pulls nothing but releases the lease at once."""
